@@ -1,0 +1,271 @@
+"""Run configuration: the schedules the kit knows, model presets, and `RunConfig`.
+
+This module owns *what a valid pipelining job is*. It imports no torch, so the CLI, the
+explorer and the launcher can reject bad input in milliseconds, before any rank starts.
+Every error says how to fix the value (notebook 09 teaches the rules behind them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SPLIT_MODES = ("manual", "tracer")
+DEVICES = ("auto", "cpu", "cuda")
+LAYOUTS = ("batch", "tutorial")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What the kit needs to know about one torch schedule class."""
+
+    name: str
+    """Short name used on the command line (`GPipe`, `1F1B`, ...)."""
+    cls: str
+    """Class name in `torch.distributed.pipelining`."""
+    multi: bool
+    """True for `PipelineScheduleMulti` schedules (a list of stages per rank)."""
+    v_shaped: bool = False
+    """Stages `rank` and `2*pp_size-1-rank` live on a rank (needs exactly 2 stages per rank)."""
+    split_backward: bool = False
+    """Backward is split into I (input grad) and W (weight grad) actions."""
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    s.name: s
+    for s in (
+        ScheduleInfo("GPipe", "ScheduleGPipe", multi=False),
+        ScheduleInfo("1F1B", "Schedule1F1B", multi=False),
+        ScheduleInfo("Interleaved1F1B", "ScheduleInterleaved1F1B", multi=True),
+        ScheduleInfo("LoopedBFS", "ScheduleLoopedBFS", multi=True),
+        ScheduleInfo("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", multi=True, split_backward=True),
+        ScheduleInfo("ZBVZeroBubble", "ScheduleZBVZeroBubble", multi=True, v_shaped=True, split_backward=True),
+        ScheduleInfo("DualPipeV", "ScheduleDualPipeV", multi=True, v_shaped=True, split_backward=True),
+    )
+}
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    """Look a schedule up by name (case-insensitive, with or without the `Schedule` prefix)."""
+    key = name.strip().lower().removeprefix("schedule")
+    for info in SCHEDULES.values():
+        if info.name.lower() == key:
+            return info
+    raise ConfigError(
+        f"Unknown schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}."
+    )
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Sizes of the tutorial's Transformer and of the batch it is trained on."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    batch_size: int
+    seq_len: int
+    note: str = ""
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # A step well under a second with 2 ranks on 2 CPU cores.
+    "small": ModelPreset(dim=64, n_layers=8, n_heads=4, vocab_size=256, batch_size=8, seq_len=32,
+                         note="CPU laptops and CI"),
+    # Even smaller, for test suites that launch many jobs.
+    "tiny": ModelPreset(dim=32, n_layers=8, n_heads=2, vocab_size=64, batch_size=8, seq_len=8,
+                        note="test suites"),
+    # The official tutorial's sizes: ~55 s per step on 2 CPU cores, meant for GPUs.
+    "tutorial": ModelPreset(dim=512, n_layers=8, n_heads=8, vocab_size=10000, batch_size=32, seq_len=500,
+                            note="GPUs (the official tutorial's sizes)"),
+}
+
+
+def _positive_int(name: str, value, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}. {hint}")
+    if value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}. {hint}")
+
+
+@dataclass
+class RunConfig:
+    """One run of the reference script (`scripts/train_pipeline.py`), validated on creation.
+
+    Taught in notebooks 00, 01 and 04; `labkit run` builds one from its flags.
+    """
+
+    schedule: str = "GPipe"
+    """Schedule name, one of `SCHEDULES` (e.g. GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble)."""
+    pp_size: int = 2
+    """Ranks in the pipeline (torchrun's --nproc-per-node x nnodes)."""
+    n_microbatches: int = 4
+    """Microbatches the batch is cut into (along the batch dimension)."""
+    split: str = "manual"
+    """How the model is cut: `manual` (delete layers) or `tracer` (`pipeline()` + split_spec)."""
+    stages_per_rank: int | None = None
+    """Stages on each rank: 1 for GPipe/1F1B, 2 by default for multi-stage schedules."""
+    preset: str = "small"
+    """Model and batch sizes, one of `PRESETS`."""
+    batch_size: int | None = None
+    """Whole-batch size; default: the preset's."""
+    steps: int = 1
+    """Training steps (the reference check is made on the first)."""
+    inference: bool = False
+    """Forward only (`loss_fn=None`): the check compares outputs instead of losses and grads."""
+    device: str = "auto"
+    """`cuda` (nccl, one GPU per rank), `cpu` (gloo) or `auto` (cuda when there is a GPU per rank)."""
+    layout: str = "batch"
+    """`batch`: tokens are (batch, seq) and microbatches split the batch (matches the unsplit model).
+    `tutorial`: the official tutorial's layout, where microbatches split the sequence (fails the check)."""
+    seed: int = 0
+    """Seed for weights and data (identical on every rank)."""
+    pg_timeout: float = 60.0
+    """Process-group timeout in seconds (gloo's default is 30 minutes: far too long for a lab)."""
+    tolerance: float = 1e-4
+    """Largest absolute difference from the unsplit reference that still counts as a match."""
+    extra: dict = field(default_factory=dict)
+    """Free-form notes carried into result.json (never interpreted)."""
+
+    def __post_init__(self) -> None:
+        info = schedule_info(self.schedule)
+        self.schedule = info.name
+        _positive_int("pp_size", self.pp_size, "Pass --nproc N with N >= 1 ranks.")
+        _positive_int("n_microbatches", self.n_microbatches, "Pass --microbatches M with M >= 1.")
+        _positive_int("steps", self.steps, "Pass --steps N with N >= 1.")
+        if self.split not in SPLIT_MODES:
+            raise ConfigError(f"split must be one of {SPLIT_MODES}, got {self.split!r}. Use --split manual or --split tracer.")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}. Use --device auto to let the kit choose.")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"Unknown preset {self.preset!r}. Choose one of: {', '.join(PRESETS)}.")
+        if not (isinstance(self.pg_timeout, (int, float)) and self.pg_timeout > 0):
+            raise ConfigError(f"pg_timeout must be a positive number of seconds, got {self.pg_timeout!r}.")
+
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 2 if info.multi else 1
+        _positive_int("stages_per_rank", self.stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
+        if not info.multi and self.stages_per_rank != 1:
+            raise ConfigError(
+                f"{info.name} runs exactly one stage per rank, got --stages-per-rank {self.stages_per_rank}. "
+                f"Drop --stages-per-rank, or pick a multi-stage schedule such as Interleaved1F1B."
+            )
+        if info.multi and self.stages_per_rank == 1 and self.pp_size > 1:
+            raise ConfigError(
+                f"{info.name} is a multi-stage schedule: with one stage per rank use GPipe or 1F1B instead, "
+                f"or pass --stages-per-rank 2."
+            )
+        if info.v_shaped and self.stages_per_rank != 2:
+            raise ConfigError(
+                f"{info.name} is V-shaped: each rank holds stages rank and 2*pp_size-1-rank, so it needs "
+                f"exactly --stages-per-rank 2 (got {self.stages_per_rank})."
+            )
+        preset = PRESETS[self.preset]
+        if self.batch_size is None:
+            self.batch_size = preset.batch_size
+        _positive_int("batch_size", self.batch_size, "Pass --batch-size B with B >= 1.")
+        if self.n_stages > preset.n_layers:
+            raise ConfigError(
+                f"{self.n_stages} stages ({self.pp_size} ranks x {self.stages_per_rank} stages per rank) but the "
+                f"{self.preset!r} preset has only {preset.n_layers} decoder layers: every stage needs at least "
+                f"one. Use fewer ranks or stages per rank."
+            )
+        if self.batch_size % self.n_microbatches:
+            raise ConfigError(
+                f"Batch size {self.batch_size} is not divisible by {self.n_microbatches} microbatches: the "
+                f"schedules cut the batch into equal microbatches. Use --microbatches that divides "
+                f"{self.batch_size} (e.g. {_divisors(self.batch_size)}), or change --batch-size."
+            )
+        if self.layout == "tutorial" and preset.seq_len % self.n_microbatches:
+            raise ConfigError(
+                f"With the tutorial layout the microbatches cut the sequence ({preset.seq_len} tokens): use "
+                f"--microbatches that divides {preset.seq_len}."
+            )
+        if info.v_shaped and self.n_microbatches < self.n_stages:
+            raise ConfigError(
+                f"{info.name} needs at least as many microbatches as stages ({self.n_stages}), got "
+                f"{self.n_microbatches}. Use --microbatches {self.n_stages} or more."
+            )
+        if info.name == "Interleaved1F1B" or info.name == "InterleavedZeroBubble":
+            rounds = max(1, self.n_microbatches // self.pp_size)
+            if self.n_microbatches % rounds:
+                raise ConfigError(
+                    f"{info.name} runs microbatches in rounds of pp_size: {self.n_microbatches} microbatches "
+                    f"on {self.pp_size} ranks give {rounds} rounds, which do not divide them. Use a multiple "
+                    f"of {self.pp_size} microbatches (e.g. {self.pp_size * rounds})."
+                )
+        if info.name == "InterleavedZeroBubble" and self.n_microbatches < self.pp_size:
+            raise ConfigError(
+                f"InterleavedZeroBubble needs at least pp_size ({self.pp_size}) microbatches, got "
+                f"{self.n_microbatches}."
+            )
+
+    @property
+    def info(self) -> ScheduleInfo:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp_size * (self.stages_per_rank or 1)
+
+    @property
+    def model(self) -> ModelPreset:
+        return PRESETS[self.preset]
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Stage indices that live on `rank` (loop placement, or V placement for V-shaped schedules)."""
+        return stage_placement(self.pp_size, self.stages_per_rank or 1, self.info.v_shaped)[rank]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"Unknown config keys {sorted(unknown)}; known keys: {sorted(names)}.")
+        return cls(**d)
+
+    def script_args(self) -> list[str]:
+        """The reference script's command-line flags for this config."""
+        args = [
+            "--schedule", self.schedule,
+            "--microbatches", str(self.n_microbatches),
+            "--split", self.split,
+            "--stages-per-rank", str(self.stages_per_rank),
+            "--preset", self.preset,
+            "--batch-size", str(self.batch_size),
+            "--steps", str(self.steps),
+            "--device", self.device,
+            "--layout", self.layout,
+            "--seed", str(self.seed),
+            "--pg-timeout", str(self.pg_timeout),
+            "--tolerance", str(self.tolerance),
+        ]
+        if self.inference:
+            args.append("--inference")
+        return args
+
+
+def stage_placement(pp_size: int, stages_per_rank: int, v_shaped: bool) -> list[list[int]]:
+    """Stages on each rank. Loop: rank r holds r, r+p, r+2p...; V: rank r holds r and 2p-1-r."""
+    if v_shaped:
+        return [[r, 2 * pp_size - 1 - r] for r in range(pp_size)]
+    return [[r + k * pp_size for k in range(stages_per_rank)] for r in range(pp_size)]
+
+
+def layer_bounds(n_layers: int, n_stages: int) -> list[int]:
+    """Layer index where each stage starts, plus n_layers at the end (as even as possible)."""
+    return [round(s * n_layers / n_stages) for s in range(n_stages + 1)]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,95 @@
+"""Cutting the model into pipeline stages: manual split and tracer split.
+
+Manual (notebook 01): copy the full model and delete what a stage does not own, then wrap it
+in `PipelineStage`. Tracer (notebook 02): `pipeline()` traces the whole model with torch.export,
+cuts it at `SplitPoint.BEGINNING` of layer boundaries, and `Pipe.build_stage` wraps a piece.
+
+Pitfall handled here (NOTES): tracer split + `build_stage` + a V-shaped schedule fails on gloo
+("Pair is not connected"), because the traced stage posts a warm-up send to its neighbour stage
+on the same rank. For V-shaped schedules the kit wraps `pipe.get_stage_module(i)` in
+`PipelineStage` itself, and records that it did.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from .config import RunConfig, layer_bounds
+
+
+def manual_stage_module(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of the tutorial Transformer that keeps only `stage`'s layers (and ends)."""
+    m = copy.deepcopy(full)
+    n_layers = len(full.layers)
+    bounds = layer_bounds(n_layers, n_stages)
+    keep = set(range(bounds[stage], bounds[stage + 1]))
+    for i in range(n_layers):
+        if i not in keep:
+            del m.layers[str(i)]
+    if stage != 0:
+        m.tok_embeddings = None
+    if stage != n_stages - 1:
+        m.norm = None
+        m.output = None
+    return m
+
+
+def stage_input_example(cfg: RunConfig, stage: int, device) -> torch.Tensor:
+    """One microbatch of what `stage` receives: tokens for stage 0, activations after that."""
+    p = cfg.model
+    mb = cfg.batch_size // cfg.n_microbatches
+    tokens_shape = (mb, p.seq_len)
+    # batch layout: the model transposes to (seq, batch, dim); tutorial layout: no transpose
+    act_shape = (p.seq_len, mb, p.dim) if cfg.layout == "batch" else (mb, p.seq_len, p.dim)
+    if stage == 0:
+        return torch.zeros(tokens_shape, dtype=torch.long, device=device)
+    return torch.zeros(act_shape, dtype=torch.float32, device=device)
+
+
+def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None):
+    """The `PipelineStage`s of `rank`, in the order the schedule expects, and how they were built."""
+    from torch.distributed.pipelining import PipelineStage
+
+    n = cfg.n_stages
+    local = cfg.stages_of_rank(rank)
+    if cfg.split == "manual":
+        stages = []
+        for s in local:
+            mod = manual_stage_module(full, s, n).to(device)
+            stages.append(PipelineStage(mod, s, n, device, input_args=stage_input_example(cfg, s, device), group=group))
+        return stages, "manual: deleted layers, PipelineStage"
+
+    pipe = trace_pipe(cfg, full, device)
+    if cfg.info.v_shaped:
+        stages = [PipelineStage(pipe.get_stage_module(s), s, n, device, group=group) for s in local]
+        return stages, "tracer: pipeline(), PipelineStage(pipe.get_stage_module(i)) (build_stage fails for V-shaped schedules on gloo)"
+    stages = [pipe.build_stage(s, device, group) for s in local]
+    return stages, "tracer: pipeline(), pipe.build_stage"
+
+
+def trace_pipe(cfg: RunConfig, full: nn.Module, device):
+    """`pipeline()` on a copy of the full model, split at the first layer of every stage but the first."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    bounds = layer_bounds(cfg.model.n_layers, cfg.n_stages)
+    split_spec = {f"layers.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
+    model = copy.deepcopy(full).to(device)
+    example = stage_input_example(cfg, 0, device)
+    return pipeline(model, mb_args=(example,), split_spec=split_spec)
+
+
+def build_schedule(cfg: RunConfig, stages: list, loss_fn=None):
+    """The torch schedule object for these stages (`loss_fn=None`: forward only, for inference)."""
+    import torch.distributed.pipelining as pp
+
+    cls = getattr(pp, cfg.info.cls, None)
+    if cls is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no {cfg.info.cls}; upgrade torch (the kit supports 2.8 and later)."
+        )
+    if cfg.info.multi:
+        return cls(stages, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)
+    return cls(stages[0], n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)

@@ -1,0 +1,130 @@
+"""Helpers for code that runs *inside* a torchrun rank (the scripts in `scripts/` use these).
+
+Owns: choosing the device and backend, process-group set-up with a short timeout, clean
+teardown (barrier before destroy), per-rank peak memory, small cross-rank reductions with
+tensors (no pickling), progress lines the launcher understands, and atomic JSON writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_PREFIX = "[labkit] progress "
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+
+def choose_device(requested: str, local_rank: int, local_world_size: int) -> torch.device:
+    """`cuda` needs one GPU per local rank (NCCL refuses two ranks on one GPU); `auto` falls back to cpu."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu":
+        return torch.device("cpu")
+    if n_gpus >= local_world_size and n_gpus > 0:
+        return torch.device(f"cuda:{local_rank}")
+    if requested == "cuda":
+        raise RuntimeError(
+            f"--device cuda needs one GPU per rank: {local_world_size} ranks on this node but "
+            f"{n_gpus} GPU(s) visible. Use fewer ranks (a multi-stage schedule runs all stages on "
+            f"one rank), or --device cpu."
+        )
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
+    """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout."""
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    dev = choose_device(device, local_rank, local_world)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    kwargs = {}
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(rank, world, local_rank, local_world, dev, backend)
+
+
+def teardown() -> None:
+    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (NOTES)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """GPU: peak allocated by torch since the last reset. CPU: the process's peak RSS (a high-water mark)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's list of floats (all lists the same length), as plain Python lists."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.cpu().tolist() for o in out]
+
+
+def broadcast_floats(values: list[float] | None, n: int, src: int, device: torch.device) -> list[float]:
+    """`values` (length n) from rank `src` to every rank."""
+    t = torch.tensor(values if values is not None else [0.0] * n, dtype=torch.float64, device=device)
+    dist.broadcast(t, src)
+    return t.cpu().tolist()
+
+
+def progress(done: int, total: int, what: str = "step") -> None:
+    """A line the launcher turns into a progress bar (printed by rank 0 only)."""
+    print(f"{PROGRESS_PREFIX}{done}/{total} {what}", flush=True)
+
+
+@contextmanager
+def timed(device: torch.device):
+    """Wall time of the block in seconds (GPU work synchronised at both ends): `with timed(d) as t: ...; t()`."""
+    sync(device)
+    start = time.perf_counter()
+    box = [0.0]
+    yield lambda: box[0]
+    sync(device)
+    box[0] = time.perf_counter() - start
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    """Write atomically (temp file + rename), so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
+    os.replace(tmp, path)
