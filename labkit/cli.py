@@ -57,7 +57,7 @@ def cmd_run(a) -> int:
         r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet)
     except LaunchError as e:
         print(f"labkit run: {e}", file=sys.stderr)
-        return e.run.returncode or 1
+        return e.run.job_exitcode
     res = r.result or {}
     print(f"[labkit] {r.status}: {res.get('schedule')} on {res.get('pp_size')} ranks, reference_match="
           f"{res.get('reference_match')}, max_abs_diff={res.get('max_abs_diff', float('nan')):.2e}; run directory {r.run_dir}")
@@ -72,9 +72,9 @@ def cmd_launch(a) -> int:
         r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet)
     except LaunchError as e:
         print(f"labkit launch: {e}", file=sys.stderr)
-        return e.run.returncode if e.run.returncode not in (None, 0) else 1
+        return e.run.job_exitcode
     print(f"[labkit] {r.status} in {r.wall_time_s:.1f}s; run directory {r.run_dir}")
-    return r.returncode or 0
+    return 0
 
 
 def cmd_doctor(a) -> int:

@@ -167,6 +167,12 @@ class RunConfig:
                 f"{info.name} is V-shaped: each rank holds stages rank and 2*pp_size-1-rank, so it needs "
                 f"exactly --stages-per-rank 2 (got {self.stages_per_rank})."
             )
+        if self.inference and info.v_shaped:
+            raise ConfigError(
+                f"{info.name} cannot run forward-only: torch plans its I/W backward actions even with "
+                f"loss_fn=None and fails ('can't steal_bwd_input if this stage doesn't have backward'). "
+                f"For --inference use GPipe, 1F1B, Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
+            )
         preset = PRESETS[self.preset]
         if self.batch_size is None:
             self.batch_size = preset.batch_size

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .config import ConfigError, RunConfig
 from .progress import Progress, in_notebook
+from .rendezvous import BACKEND_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_SCRIPT = REPO_ROOT / "scripts" / "train_pipeline.py"
@@ -61,6 +62,16 @@ class Run:
     result: dict | None = None
     failed_rank: int | None = None
     error: str | None = None
+    rank_exitcodes: dict = field(default_factory=dict)
+    """{rank: exit code} for the ranks torchrun reported as failed."""
+
+    @property
+    def job_exitcode(self) -> int:
+        """The failing rank's own exit code (torchrun itself always exits 1); 0 when all went well."""
+        if self.returncode == 0:
+            return 0
+        code = self.rank_exitcodes.get(self.failed_rank)
+        return code if isinstance(code, int) and code > 0 else (self.returncode or 1)
 
     def rank_dir(self, rank: int) -> Path | None:
         """torchrun's per-rank log folder (`logs/<id>/attempt_<n>/<rank>`), newest attempt."""
@@ -97,6 +108,7 @@ class Run:
             "run_dir": str(self.run_dir), "command": self.command, "nproc": self.nproc,
             "status": self.status, "returncode": self.returncode, "wall_time_s": self.wall_time_s,
             "failed_rank": self.failed_rank, "error": self.error,
+            "rank_exitcodes": {str(k): v for k, v in self.rank_exitcodes.items()},
         }
 
     def __repr__(self) -> str:
@@ -146,7 +158,11 @@ def torchrun_command(script: str | os.PathLike, script_args: list[str], nproc: i
     """argv for torchrun (never a shell string). Single node: an OS-chosen port, never a fixed 29500."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1 and rdzv_endpoint is None:
-        cmd += ["--standalone", "--nnodes", "1"]
+        if os.environ.get("LABKIT_RDZV") == "standalone":  # escape hatch: torchrun's own (all interfaces)
+            cmd += ["--standalone", "--nnodes", "1"]
+        else:  # loopback-only stores on an OS-chosen port (labkit.rendezvous)
+            cmd += ["--nnodes", "1", "--rdzv-backend", BACKEND_NAME, "--rdzv-endpoint", "127.0.0.1:0",
+                    "--rdzv-id", f"labkit-{run_dir.name}", "--local-addr", "127.0.0.1"]
     else:
         if not rdzv_endpoint:
             raise ConfigError("A multi-node job needs a rendezvous endpoint HOST:PORT reachable from every node.")
@@ -157,8 +173,10 @@ def torchrun_command(script: str | os.PathLike, script_args: list[str], nproc: i
     return cmd
 
 
-def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True) -> dict:
+def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, single_node: bool = True) -> dict:
     env = dict(os.environ)
+    if single_node and sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listeners on loopback only
     env["PYTHONUNBUFFERED"] = "1"  # rank output reaches the files (and the cell) line by line
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stack into the rank's stderr.log
     env["LABKIT_RUN_DIR"] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells scripts where to write
@@ -191,6 +209,7 @@ class _Tail:
 
     def __init__(self, path: Path, prefix: str):
         self.path, self.prefix, self.pos, self.buf = path, prefix, 0, b""
+        self.in_pp_record = False  # inside a multi-line pipelining log record
 
     def read(self, final: bool = False) -> list[str]:
         try:
@@ -210,6 +229,12 @@ class _Tail:
 
 def _is_pp_log(line: str) -> bool:
     return "torch.distributed.pipelining" in line or "torch/distributed/pipelining" in line
+
+
+# Where a new record begins (so the continuation lines of a multi-line pipelining record, such as
+# the tracer's printed graph, can be told apart): a log header in labkit's or torch's default
+# format, a traceback, a Python warning, or the kit's own lines.
+_RECORD_START = re.compile(r"^(\d{9,}\.\d+ [A-Z] |(\[rank\d+\]:)*[VDIWEC]\d{4} |Traceback |\S+\.py:\d+: \w*Warning|\[labkit\]|\[rank)")
 
 
 class _Streamer:
@@ -237,7 +262,9 @@ class _Streamer:
                     self.progress.update(int(m.group(1)), int(m.group(2)))
                     if self.progress.enabled and (in_notebook() or sys.stderr.isatty()):
                         continue  # the bar shows it
-                if _is_pp_log(line):
+                if _RECORD_START.match(line):
+                    tail.in_pp_record = _is_pp_log(line)
+                if tail.in_pp_record:
                     self.pp_lines += 1
                     if self.stream != "all":
                         continue
@@ -310,20 +337,40 @@ def _failed_ranks_from_launcher(text: str) -> dict[int, int]:
     return found
 
 
+# Errors that only echo another rank's crash (the peer hung up): never the root cause if another exists.
+_CONSEQUENCE = re.compile(r"Connection closed by peer|remote worker crashing|Connection reset by peer|Broken pipe|"
+                          r"NCCL communicator was aborted|SignalException|Socket Timeout", re.I)
+
+
+def _root_cause_from_launcher(text: str) -> int | None:
+    m = re.search(r"Root Cause[^\n]*\n(?:[^\n]*\n){0,4}?\s*rank\s*:\s*(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
 def _first_failure(run: Run) -> tuple[int | None, str]:
+    """The rank that failed first, and its last error line: its own exception beats a peer's echo of it."""
     errors = _rank_errors(run.run_dir)
     launcher = (run.run_dir / "launcher.log").read_text(errors="replace") if (run.run_dir / "launcher.log").exists() else ""
     codes = _failed_ranks_from_launcher(launcher)
+    root = _root_cause_from_launcher(launcher)
+
+    def text(r) -> str:
+        e = errors[r]
+        if isinstance(e, dict):
+            return str(e.get("message") or e.get("extraInfo", {}).get("py_callstack") or e)
+        return str(e)
+
+    def stamp(r) -> int:
+        e = errors[r]
+        ts = e.get("extraInfo", {}).get("timestamp", "0") if isinstance(e, dict) else "0"
+        return int(ts) if str(ts).isdigit() else 0
+
     if errors:
-        def when(r):
-            e = errors[r]
-            return e.get("extraInfo", {}).get("timestamp", "0") if isinstance(e, dict) else "0"
-        rank = min(errors, key=lambda r: (int(when(r)) if str(when(r)).isdigit() else 0, r))
-        e = errors[rank]
-        msg = e.get("message", str(e)) if isinstance(e, dict) else str(e)
-        return rank, msg.strip().splitlines()[-1] if msg.strip() else "raised an exception"
+        rank = min(errors, key=lambda r: (bool(_CONSEQUENCE.search(text(r))), r != root, stamp(r), r))
+        lines = [l for l in text(rank).strip().splitlines() if l.strip()]
+        return rank, lines[-1].strip() if lines else "raised an exception"
     if codes:
-        rank = min((r for r, c in codes.items() if c != -15), default=min(codes))
+        rank = root if root in codes else min((r for r, c in codes.items() if c != -15), default=min(codes))
         return rank, f"exited with code {codes[rank]}"
     return None, "torchrun failed before any rank reported (see launcher.log)"
 
@@ -388,7 +435,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     started = time.monotonic()
     with open(run_dir / "launcher.log", "wb") as launcher_log:
         proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=job_env(run_dir, env, pp_logs), preexec_fn=_die_with_parent)
+                                env=job_env(run_dir, env, pp_logs, nnodes == 1 and rdzv_endpoint is None), preexec_fn=_die_with_parent)
     known: dict = {}
     try:
         while proc.poll() is None:
@@ -421,6 +468,8 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
         run.status = "ok" if proc.returncode == 0 else "failed"
     if run.status != "ok":
         run.failed_rank, reason = _first_failure(run)
+        launcher_text = (run_dir / "launcher.log").read_text(errors="replace")
+        run.rank_exitcodes = _failed_ranks_from_launcher(launcher_text)
         if run.status == "timeout":
             reason = (f"did not finish within the {timeout:g} s deadline; every rank's Python stack was "
                       f"dumped into its stderr.log before it was stopped")

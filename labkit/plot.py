@@ -1,0 +1,185 @@
+"""Matplotlib drawings of pipeline timelines: per-rank bars, measured vs ideal, bubble sweeps.
+
+This module owns how a `Timeline` looks. Every helper takes an `ax`, draws on it and returns the
+artists it made (matplotlib's `my_plotter(ax, ...)` pattern); none calls `plt.show()` or touches
+global rcParams. `plot_side_by_side` builds a `matplotlib.figure.Figure` without pyplot, so a
+notebook shows it once (return it from the cell) and tests can `savefig` it headless.
+Taught in notebooks 03 (bubbles), 05 (reading a measured timeline) and 06 (measured vs ideal).
+
+Colours are fixed per action kind (F blue, B orange, I teal, W green, SEND/RECV grey), as in
+torch's own schedule visualizer, so the same kind looks the same in every notebook.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from .theory import closed_form_bubble
+from .timeline import COMM_KINDS, COMPUTE_KINDS, Timeline
+
+__all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
+           "plot_bubble_sweep"]
+
+KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#2A9D8F", "W": "#55A868", "SEND": "#8C8C8C", "RECV": "#C7C7C7"}
+KIND_LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (inputs)", "W": "W backward (weights)",
+               "SEND": "SEND", "RECV": "RECV"}
+_TEXT_COLORS = {"F": "white", "B": "black", "I": "white", "W": "white"}
+_LABEL_FONTSIZE = 7
+
+
+def _unit(timeline: Timeline) -> str:
+    if timeline.source == "theory":
+        return timeline.meta.get("unit", "units")
+    return "s"  # pp logs and profiler traces are in seconds
+
+
+def bubble_summary(timeline: Timeline) -> str:
+    """Both bubble definitions, named: the line the plots print under their title."""
+    m = timeline.metrics()
+    return (f"bubble {m['bubble_fraction']:.1%} of wall time (idle/(ranks x makespan)), "
+            f"idle/busy {m['bubble_ratio']:.2f}")
+
+
+def _default_title(timeline: Timeline) -> str:
+    meta = timeline.meta
+    what = {"theory": "ideal", "profiler": "profiler"}.get(timeline.source, "measured")
+    parts = [f"{meta['schedule']} {what}" if meta.get("schedule") else f"{what} timeline"]
+    if meta.get("pp_size"):
+        parts.append(f"pp_size={meta['pp_size']}")
+    if meta.get("n_microbatches"):
+        parts.append(f"{meta['n_microbatches']} microbatches")
+    return ", ".join(parts)
+
+
+def kind_legend(ax, kinds: Sequence[str] = COMPUTE_KINDS, **kwargs):
+    """A legend of the action colours (outside the axes, on the right, unless `loc` is given)."""
+    handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_LABELS[k]) for k in kinds]
+    if "loc" not in kwargs:
+        kwargs.update(loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
+    kwargs.setdefault("fontsize", "small")
+    kwargs.setdefault("frameon", False)
+    return ax.legend(handles=handles, **kwargs)
+
+
+def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = None,
+                  label_microbatches: bool = True, show_bubble: bool = True, legend: bool = True) -> list:
+    """One row per rank (or per stage), one bar per action, rank 0 on top. Returns the artists.
+
+    Times are drawn from the first action (so measured runs start at 0). The bubble (both
+    definitions) goes under the title when `show_bubble`.
+    """
+    if by not in ("rank", "stage"):
+        raise ValueError(f"by must be 'rank' or 'stage', got {by!r}.")
+    t = timeline.shifted()
+    artists: list = []
+    unit = _unit(t)
+    ax.set_xlabel(f"time ({unit})")
+    heading = _default_title(t) if title is None else title
+    if not t.actions:
+        artists.append(ax.text(0.5, 0.5, "no actions", ha="center", va="center", transform=ax.transAxes))
+        artists.append(ax.set_title(heading))
+        return artists
+
+    key = (lambda a: a.rank) if by == "rank" else (lambda a: a.stage)
+    rows = sorted({key(a) for a in t.actions})
+    row_y = {r: i for i, r in enumerate(rows)}
+    stage_rank = {a.stage: a.rank for a in t.compute()}
+
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for a in t.actions:
+        groups[(key(a), a.kind)].append((a.start, a.duration))
+    for (row, kind), xranges in sorted(groups.items()):
+        y = row_y[row]
+        if kind in COMM_KINDS:  # thin strip at the bottom of the row: it must not hide compute
+            yrange, style = (y + 0.25, 0.15), {"linewidth": 0}
+        else:
+            yrange, style = (y - 0.4, 0.8), {"edgecolor": "white", "linewidth": 0.6}
+        artists.append(ax.broken_barh(xranges, yrange, facecolors=KIND_COLORS.get(kind, "#555555"), **style))
+
+    makespan = max(a.end for a in t.actions)
+    ax.set_xlim(0, makespan * 1.01 if makespan > 0 else 1)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # row 0 on top, without invert_yaxis (which toggles)
+    ax.set_yticks(range(len(rows)))
+    if by == "rank":
+        ax.set_yticklabels([f"rank {r}" for r in rows])
+    else:
+        ax.set_yticklabels([f"stage {s}" + (f" (rank {stage_rank[s]})" if s in stage_rank else "") for s in rows])
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+
+    if label_microbatches and makespan > 0:
+        # Write the microbatch inside bars wide enough for it, measured in points on the page.
+        fig = ax.figure
+        width_pt = ax.get_window_extent().width * 72.0 / fig.dpi
+        pt_per_unit = width_pt / (makespan * 1.01)
+        for a in t.compute():
+            label = str(a.microbatch)
+            if a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2:
+                artists.append(ax.text(a.start + a.duration / 2, row_y[key(a)], label, ha="center", va="center",
+                                       fontsize=_LABEL_FONTSIZE, color=_TEXT_COLORS.get(a.kind, "black")))
+    if show_bubble:
+        heading = f"{heading}\n{bubble_summary(t)}"
+    artists.append(ax.set_title(heading, fontsize="medium"))
+    if legend:
+        present = [k for k in (*COMPUTE_KINDS, *COMM_KINDS) if any(a.kind == k for a in t.actions)]
+        artists.append(kind_legend(ax, present))
+    return artists
+
+
+def plot_side_by_side(measured: Timeline, ideal: Timeline, axes=None, by: str = "rank") -> Figure:
+    """Measured timeline above, ideal below; one time scale when both are in the same unit.
+
+    Returns the Figure (a new one without pyplot, or the one holding `axes`).
+    """
+    if axes is None:
+        n_rows = len({a.rank if by == "rank" else a.stage for a in measured.actions}) + \
+            len({a.rank if by == "rank" else a.stage for a in ideal.actions})
+        fig = Figure(figsize=(11, 2.2 + 0.45 * max(n_rows, 2)), layout="constrained")
+        axes = fig.subplots(2, 1)
+    else:
+        if len(axes) != 2:
+            raise ValueError(f"plot_side_by_side draws on 2 axes (measured, ideal), got {len(axes)}.")
+        fig = axes[0].figure
+    plot_timeline(axes[0], measured, by=by)
+    plot_timeline(axes[1], ideal, by=by)
+    if _unit(measured) == _unit(ideal) and measured.actions and ideal.actions:
+        right = max(axes[0].get_xlim()[1], axes[1].get_xlim()[1])
+        for ax in axes:
+            ax.set_xlim(0, right)
+    return fig
+
+
+def plot_bubble_sweep(ax, ms: Sequence[int], measured: Sequence[float | None] | None,
+                      ideal: Sequence[float | None] | None, pp_size: int | None = None,
+                      definition: str = "fraction") -> list:
+    """Bubble against the number of microbatches: measured, simulated ideal, and (with `pp_size`)
+    the GPipe/1F1B closed form. Values are in the given `definition` ("fraction" or "ratio")."""
+    artists: list = []
+    ms = list(ms)
+    if pp_size is not None:  # drawn first, wide and pale: an ideal that matches it shows on top of it
+        curve = [closed_form_bubble(pp_size, m, definition) for m in ms]
+        formula = "(p-1)/(m+p-1)" if definition == "fraction" else "(p-1)/m"
+        artists.extend(ax.plot(ms, curve, color="#BBBBBB", linewidth=5, solid_capstyle="round",
+                               label=f"closed form {formula}, p={pp_size}"))
+    for values, style in ((measured, {"marker": "o", "label": "measured", "color": "#C44E52"}),
+                          (ideal, {"marker": "s", "label": "ideal (simulated)", "color": "#4C72B0",
+                                   "linestyle": "--"})):
+        if values is None:
+            continue
+        values = list(values)
+        if len(values) != len(ms):
+            raise ValueError(f"{style['label']} has {len(values)} values for {len(ms)} microbatch counts.")
+        pts = [(m, v) for m, v in zip(ms, values) if v is not None]
+        if pts:
+            artists.extend(ax.plot([m for m, _ in pts], [v for _, v in pts], **style))
+    ax.set_xlabel("microbatches (n_microbatches)")
+    ax.set_ylabel("bubble: idle/(ranks x makespan)" if definition == "fraction" else "bubble: idle/busy")
+    ax.set_xticks(ms)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    artists.append(ax.legend(fontsize="small"))
+    return artists

@@ -1,0 +1,551 @@
+"""Reading torch.distributed.pipelining's own logs (TORCH_LOGS=+pp) into a measured `Timeline`.
+
+This module owns the log formats and what each pipelining message means. It reads:
+
+- the kit's format (`labkit.launch.PP_LOG_FORMAT`, one file per rank, microsecond epoch stamps):
+  `1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:2614] msg`;
+  the rank comes from the file path (torchrun's `.../attempt_N/<rank>/stderr.log`) or `rank=`.
+- torch's default format (glog style, whole milliseconds, local time without a year), either one
+  file per rank or every rank interleaved in one captured stream:
+  `[rank0]:V1122 01:49:18.636000 7438 torch/distributed/pipelining/schedules.py:2614] msg`.
+  Launchers add their own prefixes (`[rank0]:[rank0]:`, `[default0]:[rank0]:`); torch's own
+  `[rankN]:` (global rank) wins over the file path.
+
+Unrelated lines, warnings, tracebacks and a truncated last line are skipped; continuation lines of
+a multi-line record (kit format) are appended to that record's message.
+
+What the messages mean (torch 2.11-2.14; the wording has been stable, line numbers move):
+
+| message | emitted by | marks |
+|---|---|---|
+| `_PipelineScheduleRuntime running time_step <t>, action <a>` | multi-stage schedules (runtime) | START of action `a` (`0F1`, `2I0`, `3W0`, `0B2`, `2SEND_F0`, `(0F3;3B1)OVERLAP_F_B`, `0UNSHARD`, ...) |
+| `[<stage>] Forwarded microbatch <i>` / `Backwarded microbatch <i>` | GPipe (and forward-only) | END of F / B (after the sends are posted) |
+| `[Stage <s>] Forwarded chunk <i>, outputs: ...` | every stage's forward | END of the forward compute |
+| `[Stage <s>] Backwarded chunk <i>` | every stage's backward (B, and I) | END of the backward compute |
+| `Using <ScheduleClass>` | schedule constructor | (no action) |
+| `Rank determined inference_mode=...` | first step's stage set-up | (no action) |
+| `batch_p2p ...`, `Sending tensor ...` | p2p | (no action) |
+
+W (backward for weights) has no line of its own; GPipe even logs `Backwarded microbatch` lines when
+no backward ran (loss_fn=None), which the timeline drops. Taught in notebook 04 (reading the logs)
+and 05 (measured vs theory timelines).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import re
+import time as _time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable
+
+from .timeline import Action, Timeline
+
+__all__ = [
+    "Event", "parse_lines", "parse_files", "parse_run_dir", "to_timeline", "timeline_from_path",
+    "decode_action", "rank_from_path", "log_files",
+]
+
+# ---------------------------------------------------------------------------------------------
+# line formats
+
+# Launcher prefixes before the record: torch's `[rank0]:`, torchrun --tee's `[default0]:`, a
+# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's `[rank0]:`, the kit's live stream `[rank0:err] `.
+_PREFIX = r"((?:\[[\w:.-]{1,40}\]:? ?)*)"
+# labkit.launch.PP_LOG_FORMAT: created levelname(1) name filename:lineno] message
+_KIT_RE = re.compile(_PREFIX + r"(\d{9,11}\.\d+) ([A-Z]) (torch\.distributed\.pipelining[\w.]*) ([^\s:]+):(\d+)\] ?(.*)$")
+# torch's TorchLogsFormatter: L MMDD HH:MM:SS.ffffff pid path:lineno][ trace id][ artifact] message
+_GLOG_RE = re.compile(_PREFIX + r"([VDIWEC])(\d\d)(\d\d) (\d\d):(\d\d):(\d\d(?:\.\d+)?) +(\d+) "
+                      r"(\S*?pipelining[/\\][^\s:]+):(\d+)\](?: \[\d+/\d+[^\]\s]*\])?(?: \[__\w+\])? ?(.*)$")
+# Any other TORCH_LOGS_FORMAT that starts with %(created)f and holds %(name)s, e.g.
+# "%(created).6f %(process)d %(name)s %(message)s".
+_GENERIC_RE = re.compile(_PREFIX + r"(\d{9,11}\.\d+)((?: [^\s\]]+)*?) (torch\.distributed\.pipelining[\w.]*)"
+                         r"(?: ([^\s:]+):(\d+)\])? ?(.*)$")
+_PREFIX_RANK_RE = re.compile(r"\[rank(\d+)[\]:]")
+_PREFIX_LOCAL_RE = re.compile(r"\[(?:default|[a-z_]*?)(\d+)[\]:]")
+# A line that starts another log record (so it is not a continuation of the previous one).
+_RECORD_START_RE = re.compile(r"^(?:\[[\w:.-]{1,40}\]:? ?)*(?:\d{9,11}\.\d|[VDIWEC]\d{4} |\d{4}-\d\d-\d\d|"
+                              r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ])")
+
+# ---------------------------------------------------------------------------------------------
+# messages
+
+_RUNTIME_RE = re.compile(r"running time_step (\d+), action (\S+)")
+_DONE_RE = re.compile(r"^\[(Stage )?(\d+)\] (Forwarded|Backwarded)(?: (input|weight))? (chunk|microbatch) (\d+)(?:\D|$)")
+_ACTION_RE = re.compile(r"^(\d+)([A-Z][A-Z_]*?)(\d*)$")
+_OVERLAP_RE = re.compile(r"^\((.*)\)([A-Z][A-Z_]*)$")
+
+# torch _ComputationType value -> timeline kind
+_KINDS = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "SEND", "SEND_B": "SEND", "RECV_F": "RECV",
+          "RECV_B": "RECV"}
+_TIMELINE_KINDS = ("F", "B", "I", "W", "SEND", "RECV")
+_LEVELS = {"V": "D"}  # glog's V(erbose) is logging's DEBUG
+
+START, END = "start", "end"
+
+
+@dataclass(slots=True)
+class Event:
+    """One pipelining log record, with what it means.
+
+    `kind`: F, B, I, W, SEND, RECV for work; UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP_F_B (with
+    `sub`) for other runtime actions; SCHEDULE (`Using ...`, the class name in `action`); INIT
+    (`Rank determined inference_mode`); None for anything else (p2p details, errors).
+    `mark`: START ("running ... action", printed BEFORE the work), END (a completion line), or None.
+    `origin`: "runtime" (running time_step), "schedule" (GPipe's `[s] Forwarded microbatch i`),
+    "stage" (`[Stage s] Forwarded chunk i`), or None. A completion line says "Backwarded" for both
+    B and I: its kind is B. `time_step` numbers the runtime's actions (it restarts each step).
+    """
+
+    time: float
+    rank: int | None
+    pid: int | None
+    level: str
+    message: str
+    kind: str | None = None
+    stage: int | None = None
+    microbatch: int | None = None
+    mark: str | None = None
+    origin: str | None = None
+    time_step: int | None = None
+    action: str | None = None
+    sub: tuple = ()
+    source: str = ""  # "schedules.py:2614": where torch logged it
+    lineno: int = 0  # line number in its input (1-based)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+_action_cache: dict[str, tuple | None] = {}
+
+
+def decode_action(text: str) -> tuple | None:
+    """Decode a runtime action string: `2F0` -> ("F", 2, 0, "F", ()); `2SEND_F0` -> ("SEND", 2, 0,
+    "SEND_F", ()); `(0F3;3B1)OVERLAP_F_B` -> ("OVERLAP_F_B", None, None, "OVERLAP_F_B", (("F", 0, 3),
+    ("B", 3, 1))). Returns (kind, stage, microbatch, torch type, sub-actions) or None."""
+    hit = _action_cache.get(text, False)
+    if hit is not False:
+        return hit
+    out = None
+    m = _ACTION_RE.match(text)
+    if m:
+        ctype = m.group(2)
+        kind = _KINDS.get(ctype, ctype)
+        mb = int(m.group(3)) if m.group(3) else None
+        if not (kind in _TIMELINE_KINDS and mb is None):  # "3I" is a cut line, not an action
+            out = (kind, int(m.group(1)), mb, ctype, ())
+    else:
+        m = _OVERLAP_RE.match(text)
+        if m:
+            subs = []
+            for part in m.group(1).split(";"):
+                d = decode_action(part.strip())
+                if d is None or d[0] not in _TIMELINE_KINDS:
+                    subs = None
+                    break
+                subs.append((d[0], d[1], d[2]))
+            if subs:
+                out = (m.group(2), None, None, m.group(2), tuple(subs))
+    if len(_action_cache) < 100_000:
+        _action_cache[text] = out
+    return out
+
+
+def _decode(ev: Event) -> None:
+    msg = ev.message
+    if "running time_step" in msg:
+        m = _RUNTIME_RE.search(msg)
+        if m:
+            ev.time_step = int(m.group(1))
+            ev.action = m.group(2)
+            ev.origin = "runtime"
+            ev.mark = START
+            d = decode_action(m.group(2))
+            if d is not None:
+                ev.kind, ev.stage, ev.microbatch, _, ev.sub = d
+        return
+    if "warded " in msg:
+        m = _DONE_RE.match(msg)
+        if m:
+            word, part = m.group(3), m.group(4)
+            ev.kind = "F" if word == "Forwarded" else {"input": "I", "weight": "W"}.get(part, "B")
+            ev.stage = int(m.group(2))
+            ev.microbatch = int(m.group(6))
+            ev.mark = END
+            ev.origin = "stage" if (m.group(1) or m.group(5) == "chunk") else "schedule"
+        return
+    if msg.startswith("Using "):
+        ev.kind, ev.action = "SCHEDULE", msg[6:].strip()
+    elif msg.startswith("Rank determined inference_mode"):
+        ev.kind = "INIT"
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing
+
+
+class _Parser:
+    """Line-by-line state: the date of default-format stamps, and continuation lines."""
+
+    def __init__(self, rank: int | None, year: int | None):
+        self.rank = rank
+        self.year = year if year is not None else datetime.now().year
+        self.last_md: tuple[int, int] | None = None
+        self.midnight: dict[tuple[int, int, int], float] = {}
+        self.prefix_rank: dict[str, int | None] = {}
+
+    def _rank(self, prefix: str) -> int | None:
+        if not prefix:
+            return self.rank
+        r = self.prefix_rank.get(prefix, -1)
+        if r == -1:
+            hits = _PREFIX_RANK_RE.findall(prefix)
+            if hits:
+                r = int(hits[-1])  # torch's own [rankN]: is the innermost (global rank)
+            elif self.rank is not None:
+                r = self.rank
+            else:
+                local = _PREFIX_LOCAL_RE.findall(prefix)
+                r = int(local[-1]) if local else None
+            self.prefix_rank[prefix] = r
+        return r
+
+    def _day(self, mo: int, d: int) -> float:
+        md = (mo, d)
+        if self.last_md is not None and md < self.last_md and self.last_md[0] == 12 and mo == 1:
+            self.year += 1  # the log ran past new year's eve
+        self.last_md = md
+        key = (self.year, mo, d)
+        t = self.midnight.get(key)
+        if t is None:
+            try:
+                t = datetime(self.year, mo, d).timestamp()
+            except ValueError:  # 0229 in a non-leap year: a file from a leap year
+                t = datetime(self.year - 1, mo, d).timestamp()
+            self.midnight[key] = t
+        return t
+
+    def parse(self, lines: Iterable[str]) -> list[Event]:
+        events: list[Event] = []
+        kit, glog, generic = _KIT_RE.match, _GLOG_RE.match, _GENERIC_RE.match
+        cont: Event | None = None  # the record that continuation lines belong to (kit format)
+        saw_newline = False
+        last_raw = ""
+        last_ev: Event | None = None
+        n = 0
+        for n, raw in enumerate(lines, 1):
+            last_raw = raw
+            if raw[-1:] == "\n":
+                saw_newline = True
+            if "pipelining" not in raw:
+                last_ev = None
+                if cont is not None:
+                    cont = _continue(cont, raw)
+                continue
+            line = raw.rstrip("\r\n")
+            m = kit(line)
+            if m is not None:
+                pre, t, lvl, _name, fname, lno, msg = m.groups()
+                ev = Event(float(t), self._rank(pre), None, lvl, msg, source=f"{fname}:{lno}", lineno=n)
+                cont = ev
+            else:
+                m = glog(line)
+                if m is not None:
+                    pre, lvl, mo, d, hh, mi, ss, pid, path, lno, msg = m.groups()
+                    t = self._day(int(mo), int(d)) + int(hh) * 3600 + int(mi) * 60 + float(ss)
+                    ev = Event(t, self._rank(pre), int(pid), _LEVELS.get(lvl, lvl), msg,
+                               source=f"{os.path.basename(path)}:{lno}", lineno=n)
+                    cont = None  # torch's formatter prefixes every line of a multi-line record itself
+                else:
+                    m = generic(line)
+                    if m is None:  # e.g. a traceback's `File ".../pipelining/stage.py", line 9`
+                        last_ev = None
+                        if cont is not None:
+                            cont = _continue(cont, raw)
+                        continue
+                    pre, t, mid, _name, fname, lno, msg = m.groups()
+                    pid, lvl = None, "?"
+                    for tok in mid.split():
+                        if tok.isdigit():
+                            pid = int(tok)
+                        elif tok.isalpha():
+                            lvl = tok[0].upper()
+                    ev = Event(float(t), self._rank(pre), pid, lvl, msg,
+                               source=f"{fname}:{lno}" if fname else "", lineno=n)
+                    cont = ev
+            _decode(ev)
+            events.append(ev)
+            last_ev = ev
+        # A last line without its newline (when the others have one) was cut mid-write: its numbers
+        # may be cut too ("chunk 1" of "chunk 12"), so it keeps its text but loses its meaning.
+        if last_ev is not None and saw_newline and last_raw[-1:] != "\n":
+            last_ev.kind = last_ev.stage = last_ev.microbatch = last_ev.mark = last_ev.origin = None
+            last_ev.time_step = last_ev.action = None
+            last_ev.sub = ()
+        # Lines of a single stream logged before init_process_group carry no [rankN]: use the pid.
+        if any(e.rank is None for e in events):
+            by_pid = {e.pid: e.rank for e in events if e.rank is not None and e.pid is not None}
+            for e in events:
+                if e.rank is None and e.pid in by_pid:
+                    e.rank = by_pid[e.pid]
+        return events
+
+
+def _continue(cont: Event, raw: str) -> Event | None:
+    """Append a continuation line to a multi-line record; anything that starts a new record, a
+    traceback or a blank line ends the record."""
+    line = raw.rstrip("\r\n")
+    if not line or line.startswith("Traceback (most recent call last)") or _RECORD_START_RE.match(line):
+        return None
+    cont.message += "\n" + line
+    return cont
+
+
+def parse_lines(lines: Iterable[str] | str, rank: int | None = None, year: int | None = None) -> list[Event]:
+    """Events of the pipelining lines among `lines` (other lines are skipped).
+
+    `lines`: an iterable of lines (an open file, a list) or one string. Pass lines WITH their
+    newlines (as a file yields them) to have a cut last line recognised. `rank`: the rank of lines
+    that carry no `[rankN]:` prefix (kit format, one file per rank). `year`: the year of the
+    default format's MMDD stamps (default: this year; times are only compared with each other).
+    """
+    if isinstance(lines, str):
+        lines = io.StringIO(lines)
+    return _Parser(rank, year).parse(lines)
+
+
+_RANK_DIR_RE = re.compile(r"(?:^|[/\\])(\d+)[/\\][^/\\]+$")
+_RANK_NAME_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+
+
+def rank_from_path(path: str | os.PathLike) -> int | None:
+    """torchrun's `.../attempt_0/<rank>/stderr.log` -> rank (also `rank3.log`); None if the path says nothing."""
+    s = str(path)
+    m = _RANK_DIR_RE.search(s)
+    if m:
+        return int(m.group(1))
+    m = _RANK_NAME_RE.search(os.path.basename(s))
+    return int(m.group(1)) if m else None
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
+    return open(path, encoding="utf-8", errors="replace", newline="")
+
+
+def parse_files(paths: Iterable[str | os.PathLike] | str | os.PathLike, year: int | None = None) -> list[Event]:
+    """Events of several log files (plain or .gz), in file order. Each file's rank comes from its
+    path (`.../attempt_N/<rank>/stderr.log`) unless its lines carry `[rankN]:`. `year` defaults to
+    each file's modification year (for the default format's year-less stamps)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    events: list[Event] = []
+    for p in map(Path, paths):
+        y = year if year is not None else datetime.fromtimestamp(p.stat().st_mtime).year
+        with _open_text(p) as f:
+            events += _Parser(rank_from_path(p), y).parse(f)
+    return events
+
+
+def log_files(run_dir: str | os.PathLike) -> list[Path]:
+    """The log files of a run directory: torchrun's per-rank stderr.log of the newest attempt
+    (`logs/<id>/attempt_<n>/<rank>/stderr.log[.gz]`), else the *.log / *.log.gz / *.txt files in it."""
+    d = Path(run_dir)
+    newest: dict[int, tuple[int, Path]] = {}
+    for f in list(d.glob("logs/*/attempt_*/*/stderr.log")) + list(d.glob("logs/*/attempt_*/*/stderr.log.gz")):
+        rank_dir = f.parent
+        if not rank_dir.name.isdigit():
+            continue
+        attempt = int(rank_dir.parent.name.split("_")[-1]) if rank_dir.parent.name.split("_")[-1].isdigit() else 0
+        rank = int(rank_dir.name)
+        if rank not in newest or attempt >= newest[rank][0]:
+            newest[rank] = (attempt, f)
+    if newest:
+        return [newest[r][1] for r in sorted(newest)]
+    return sorted(p for pat in ("*.log", "*.log.gz", "*.txt") for p in d.glob(pat)
+                  if p.is_file() and p.name != "launcher.log")
+
+
+def parse_run_dir(run_dir: str | os.PathLike, year: int | None = None) -> list[Event]:
+    """Events of a run directory made by `labkit.launch` (or a folder of captured logs)."""
+    files = log_files(run_dir)
+    if not files:
+        raise FileNotFoundError(
+            f"No logs in {run_dir}: expected torchrun's logs/<id>/attempt_0/<rank>/stderr.log (as `labkit run` "
+            f"writes them) or *.log files. Was the run launched with TORCH_LOGS=+pp (labkit does that)?")
+    return parse_files(files, year)
+
+
+# ---------------------------------------------------------------------------------------------
+# timeline
+
+
+def _by_rank(events: list[Event]) -> dict[int, list[Event]]:
+    ranks = {e.rank for e in events}
+    out: dict[int, list[Event]] = defaultdict(list)
+    lone = ranks == {None}  # one file, no rank anywhere: it is rank 0
+    for e in events:
+        if e.rank is not None or lone:
+            out[0 if e.rank is None else e.rank].append(e)
+    for r, evs in out.items():
+        # Several files for one rank (or a clock step): order by time, stable for equal stamps.
+        if any(evs[i].time < evs[i - 1].time for i in range(1, len(evs))):
+            evs.sort(key=lambda e: e.time)
+    return dict(out)
+
+
+def _runtime_actions(rank: int, evs: list[Event], other: Counter) -> tuple[list[Action], int]:
+    """Runtime schedules: an action runs from its "running ... action" line to the next one."""
+    acts: list[Action] = []
+    idx = [i for i, e in enumerate(evs) if e.origin == "runtime"]
+    # Steps: time_step restarts at 0 for each schedule.step().
+    steps: list[list[int]] = []
+    for i in idx:
+        if not steps or evs[i].time_step <= evs[steps[-1][-1]].time_step:
+            steps.append([])
+        steps[-1].append(i)
+    for k, step in enumerate(steps):
+        stop = steps[k + 1][0] if k + 1 < len(steps) else len(evs)  # first event of the next step
+        for j, i in enumerate(step):
+            e = evs[i]
+            nxt = step[j + 1] if j + 1 < len(step) else stop
+            if j + 1 < len(step):
+                end = evs[nxt].time
+            else:
+                # The step's last action: its completion line if it has one, else the step's last line.
+                end = e.time
+                for x in evs[i + 1:stop]:
+                    end = max(end, x.time)
+                    if x.mark == END and x.stage == e.stage and x.microbatch == e.microbatch and \
+                            _same_family(x.kind, e.kind):
+                        break
+            end = max(end, e.time)
+            if e.sub:
+                acts += _split_overlap(rank, e, evs[i + 1:nxt], end)
+            elif e.kind in _TIMELINE_KINDS:
+                acts.append(Action(rank, e.stage, e.microbatch, e.kind, e.time, end))
+            else:
+                other[e.kind or (e.action or "?")] += 1
+    return acts, len(steps)
+
+
+def _same_family(done_kind: str | None, kind: str | None) -> bool:
+    """A completion line's kind (F, or B for any backward) matches an action's kind."""
+    return done_kind == kind or (done_kind == "B" and kind in ("I", "B"))
+
+
+def _split_overlap(rank: int, e: Event, inside: list[Event], end: float) -> list[Action]:
+    """OVERLAP_F_B runs its sub-actions one after the other: each ends at its completion line."""
+    acts, t = [], e.time
+    subs = list(e.sub)
+    for n, (kind, stage, mb) in enumerate(subs):
+        if n == len(subs) - 1:
+            stop = end
+        else:
+            hit = next((x.time for x in inside if x.mark == END and x.stage == stage and x.microbatch == mb
+                        and _same_family(x.kind, kind) and x.time >= t), None)
+            stop = hit if hit is not None else t + (end - t) / (len(subs) - n)
+        stop = min(max(stop, t), end)
+        acts.append(Action(rank, stage, mb, kind, t, stop))
+        t = stop
+    return acts
+
+
+def _completion_actions(rank: int, evs: list[Event], meta_notes: list[str]) -> tuple[list[Action], int]:
+    """GPipe / 1F1B: only completion lines. An action starts where the previous one on the rank
+    ended (recv waits fold into the compute); the first starts at the step's set-up line."""
+    use = "schedule" if any(e.origin == "schedule" for e in evs) else "stage"
+    done = [e for e in evs if e.origin == use and e.mark == END and e.kind in ("F", "B", "I", "W")]
+    if use == "schedule" and not any(e.origin == "stage" and e.kind == "B" for e in evs):
+        # GPipe logs "Backwarded microbatch" even when no backward ran (loss_fn=None).
+        dropped = sum(1 for e in done if e.kind == "B")
+        if dropped:
+            meta_notes.append(f"rank {rank}: {dropped} 'Backwarded microbatch' lines without any backward "
+                              f"(forward-only run) were dropped")
+        done = [e for e in done if e.kind != "B"]
+    if not done:
+        return [], 0
+    first = done[0]
+    before = evs[:next(i for i, e in enumerate(evs) if e is first)]
+    setup = [e for e in before if e.kind in ("SCHEDULE", "INIT")]
+    prev = setup[-1].time if setup else first.time
+    acts, seen, steps = [], set(), 1
+    for e in done:
+        key = (e.stage, e.kind, e.microbatch)
+        if key in seen:  # the same work again: the next schedule.step()
+            seen.clear()
+            steps += 1
+        seen.add(key)
+        acts.append(Action(rank, e.stage, e.microbatch, e.kind, min(prev, e.time), e.time))
+        prev = e.time
+    return acts, steps
+
+
+def to_timeline(events: list[Event], source: str = "measured") -> Timeline:
+    """Per-rank, per-stage work intervals from parsed events.
+
+    Multi-stage (runtime) schedules print `running time_step t, action a` BEFORE each action: an
+    action starts at its line and ends at the next action's line on the same rank, so the rank's
+    intervals tile its time; a step's last action ends at its completion line (or the step's last
+    line). `(F;B)OVERLAP_F_B` is split into its sub-actions at the first one's completion line.
+    SEND and RECV actions (posting the p2p ops; the waits happen inside the next compute) are
+    kept with kind SEND / RECV; UNSHARD, RESHARD, REDUCE_GRAD are counted in `meta["other_actions"]`.
+
+    GPipe and 1F1B print only completion lines (`Forwarded microbatch` / `Forwarded chunk`): an
+    action starts at the previous completion on its rank (the first one at the `Using ...` /
+    `inference_mode` set-up line), so time spent waiting for a recv folds into the compute that
+    follows it, and from the second step on the first action also holds the time between steps.
+
+    Runs of several steps hold every step's actions (`meta["steps"]` says how many).
+    """
+    notes: list[str] = []
+    other: Counter = Counter()
+    acts: list[Action] = []
+    timing: dict[str, str] = {}
+    steps: dict[str, int] = {}
+    schedule = None
+    for rank, evs in sorted(_by_rank(events).items()):
+        schedule = schedule or next((e.action for e in evs if e.kind == "SCHEDULE"), None)
+        if any(e.origin == "runtime" for e in evs):
+            a, n = _runtime_actions(rank, evs, other)
+            timing[str(rank)] = "runtime"
+        else:
+            a, n = _completion_actions(rank, evs, notes)
+            timing[str(rank)] = "completion"
+        steps[str(rank)] = n
+        acts += a
+    acts.sort(key=lambda a: (a.rank, a.start, a.end))
+    meta = {"schedule": schedule, "timing": timing, "steps": max(steps.values(), default=0),
+            "steps_per_rank": steps, "other_actions": dict(other), "notes": notes,
+            "n_events": len(events)}
+    return Timeline(acts, source=source, meta=meta)
+
+
+def timeline_from_path(paths: str | os.PathLike | Iterable[str | os.PathLike], year: int | None = None) -> Timeline:
+    """A measured Timeline from a run directory, or from one or more log files (either format)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = log_files(p)
+            if not found:
+                raise FileNotFoundError(f"No logs in {p}: expected logs/<id>/attempt_0/<rank>/stderr.log or *.log files.")
+            files += found
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"{p} does not exist: pass a run directory or log files.")
+    t0 = _time.perf_counter()
+    tl = to_timeline(parse_files(files, year))
+    tl.meta["files"] = [str(f) for f in files]
+    tl.meta["parse_s"] = _time.perf_counter() - t0
+    return tl

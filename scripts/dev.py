@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Set-up and everyday commands for PP Lab, on a machine that has only python3 and pip.
+
+    python3 scripts/dev.py lab        # create .venv, install torch + the kit, start JupyterLab on notebooks/
+    python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks)
+    python3 scripts/dev.py handouts   # HTML handouts of the executed notebooks, figures embedded
+    python3 scripts/dev.py setup      # only the set-up
+
+Torch: an existing torch >= 2.8 in .venv is kept (install a CUDA build there first on GPU nodes);
+otherwise `torch==2.13.0` is installed (override with PPLAB_TORCH, e.g. PPLAB_TORCH="torch==2.11.0").
+This file uses only the standard library: it must run before anything is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("PPLAB_VENV", ROOT / ".venv"))
+DEFAULT_TORCH = "torch==2.13.0"
+MIN_TORCH = (2, 8)
+
+
+def vpython() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def sh(*cmd, **kw) -> None:
+    print("+ " + " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def torch_version() -> tuple[int, int] | None:
+    r = subprocess.run([str(vpython()), "-c", "import torch; print(torch.__version__)"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        return None
+    major, minor = r.stdout.strip().split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def setup(extras: str = "lab,test") -> None:
+    if not vpython().exists():
+        print(f"creating virtual environment {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    have = torch_version()
+    if have is None or have < MIN_TORCH:
+        # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+        spec = os.environ.get("PPLAB_TORCH", DEFAULT_TORCH)
+        sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", *spec.split())
+    sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", f"{ROOT}[{extras}]")
+
+
+def lab(argv: list[str]) -> int:
+    setup()
+    sh(vpython(), "-m", "labkit", "doctor")
+    args = [str(vpython()), "-m", "jupyterlab", "--notebook-dir", str(ROOT / "notebooks"), "--ip", "127.0.0.1", *argv]
+    print("+ " + " ".join(args), flush=True)
+    os.execv(args[0], args)  # JupyterLab takes over this terminal; Ctrl-C stops it
+
+
+def test(argv: list[str]) -> int:
+    setup()
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    cmd = [str(vpython()), "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--nbval-cell-timeout", "600",
+           "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"),
+           "tests", "notebooks", "-q", "-ra", "--durations=15", *argv]
+    if not (ROOT / "notebooks" / "sanitize.cfg").exists():
+        cmd.remove("--nbval-sanitize-with")
+        cmd.remove(str(ROOT / "notebooks" / "sanitize.cfg"))
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
+def handouts(argv: list[str]) -> int:
+    setup()
+    sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", "-q", "nbconvert")
+    out = ROOT / "handouts"
+    out.mkdir(exist_ok=True)
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    sh(vpython(), "-m", "jupyter", "nbconvert", "--to", "html", "--embed-images", "--output-dir", out,
+       *notebooks, *argv)
+    print(f"handouts written to {out}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("lab", "test", "setup", "handouts"):
+        print(__doc__)
+        return 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "setup":
+        setup()
+        return 0
+    return {"lab": lab, "test": test, "handouts": handouts}[cmd](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

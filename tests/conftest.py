@@ -1,0 +1,45 @@
+"""Shared fixtures: a run root under tmp_path, and a check that no test leaves a rank running."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def kit_processes(under: Path | None = None) -> list[psutil.Process]:
+    """Processes started by a labkit launch (they carry LABKIT_RUN_DIR), optionally under one folder."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            d = p.environ().get("LABKIT_RUN_DIR")
+        except (psutil.Error, OSError):
+            continue
+        if d and (under is None or str(d).startswith(str(under))):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """A folder for run directories; fails the test if any kit process is still alive after it."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    yield root
+    deadline = time.time() + 10
+    left = kit_processes(root)
+    while left and time.time() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes left running: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def labkit_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "labkit", *args]

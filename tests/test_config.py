@@ -1,0 +1,67 @@
+"""Config rules: valid configs build, invalid ones fail with a message that says how to fix them."""
+
+import pytest
+
+from labkit.config import SCHEDULES, ConfigError, RunConfig, layer_bounds, schedule_info, stage_placement
+
+
+def test_every_schedule_has_a_valid_default():
+    for name in SCHEDULES:
+        cfg = RunConfig(schedule=name)
+        assert cfg.n_stages == 2 * cfg.stages_per_rank
+
+
+@pytest.mark.parametrize("alias", ["gpipe", "ScheduleGPipe", " GPIPE "])
+def test_schedule_aliases(alias):
+    assert schedule_info(alias).name == "GPipe"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"schedule": "Bogus"}, "Choose one of"),
+        ({"schedule": "GPipe", "stages_per_rank": 2}, "exactly one stage per rank"),
+        ({"schedule": "Interleaved1F1B", "stages_per_rank": 1}, "use GPipe or 1F1B"),
+        ({"schedule": "ZBVZeroBubble", "stages_per_rank": 3}, "exactly --stages-per-rank 2"),
+        ({"schedule": "DualPipeV", "n_microbatches": 2}, "at least as many microbatches as stages"),
+        ({"schedule": "GPipe", "n_microbatches": 3}, "not divisible"),
+        ({"schedule": "GPipe", "n_microbatches": 0}, "at least 1"),
+        ({"schedule": "GPipe", "n_microbatches": -2}, "at least 1"),
+        ({"schedule": "GPipe", "n_microbatches": 2.5}, "whole number"),
+        ({"schedule": "GPipe", "pp_size": 0}, "at least 1"),
+        ({"schedule": "GPipe", "pp_size": True}, "whole number"),
+        ({"schedule": "GPipe", "steps": 0}, "at least 1"),
+        ({"schedule": "GPipe", "split": "auto"}, "--split manual"),
+        ({"schedule": "GPipe", "device": "tpu"}, "--device auto"),
+        ({"schedule": "GPipe", "preset": "huge"}, "Unknown preset"),
+        ({"schedule": "Interleaved1F1B", "pp_size": 8, "stages_per_rank": 2}, "every stage needs at least one"),
+        ({"schedule": "ZBVZeroBubble", "inference": True}, "cannot run forward-only"),
+        ({"schedule": "GPipe", "pg_timeout": 0}, "positive number"),
+        ({"schedule": "GPipe", "batch_size": 0}, "at least 1"),
+        ({"schedule": "GPipe", "layout": "seq"}, "layout"),
+    ],
+)
+def test_bad_configs_say_how_to_fix(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        RunConfig(**kwargs)
+
+
+def test_placement_loop_and_v():
+    assert stage_placement(2, 2, v_shaped=False) == [[0, 2], [1, 3]]
+    assert stage_placement(2, 2, v_shaped=True) == [[0, 3], [1, 2]]
+    assert stage_placement(4, 2, v_shaped=True) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert RunConfig(schedule="DualPipeV").stages_of_rank(1) == [1, 2]
+
+
+def test_layer_bounds_cover_all_layers_evenly():
+    assert layer_bounds(8, 2) == [0, 4, 8]
+    assert layer_bounds(8, 8) == list(range(9))
+    b = layer_bounds(8, 3)
+    assert b[0] == 0 and b[-1] == 8 and all(b[i] < b[i + 1] for i in range(3))
+
+
+def test_script_args_round_trip():
+    from scripts_import import parse_and_build
+
+    cfg = RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, split="tracer", steps=2)
+    assert parse_and_build(cfg.script_args(), world_size=2) == cfg

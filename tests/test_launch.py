@@ -1,0 +1,117 @@
+"""`labkit.launch` / `labkit launch` with plain user scripts: exit codes, logs, live output, errors."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import labkit_cli
+from labkit.config import ConfigError
+from labkit.launch import LaunchError, launch
+
+HELLO = textwrap.dedent("""
+    import os, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"hello from rank {rank} of {dist.get_world_size()}", flush=True)
+    time.sleep(float(os.environ.get("HELLO_SLEEP", "0")))
+    print(f"bye from rank {rank}", flush=True)
+    dist.barrier(); dist.destroy_process_group()
+    sys.exit(int(os.environ.get("HELLO_EXIT", "0")))
+""")
+
+CRASH = textwrap.dedent("""
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("stage 1 got a tensor of the wrong shape")
+        dist.barrier()
+
+    main()
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    def make(text, name="user_script.py"):
+        p = tmp_path / name
+        p.write_text(text)
+        return p
+    return make
+
+
+def test_user_script_runs_and_keeps_logs(script, runs):
+    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False, stream="none")
+    assert r.ok and r.returncode == 0
+    for rank in (0, 1):
+        assert f"hello from rank {rank} of 2" in r.log(rank, "stdout")
+    cmd = json.loads((r.run_dir / "command.json").read_text())["argv"]
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert json.loads((r.run_dir / "run.json").read_text())["status"] == "ok"
+
+
+def test_failing_rank_is_named_with_its_log_tail(script, runs):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        launch(script(CRASH), nproc=2, runs_root=runs, progress=False, stream="none")
+    msg = str(e.value)
+    assert "Rank 1 failed" in msg and "wrong shape" in msg
+    assert "Command:" in msg and "torch.distributed.run" in msg
+    assert e.value.run.failed_rank == 1 and e.value.run.status == "failed"
+    assert time.monotonic() - t0 < 30
+
+
+def test_cli_launch_returns_the_jobs_exit_code(script, runs):
+    out = runs / "exit7"
+    p = subprocess.run(labkit_cli("launch", "--nproc", "2", "--out", str(out), "--quiet", str(script(HELLO))),
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "HELLO_EXIT": "7"})
+    assert p.returncode == 7, p.stderr[-2000:]
+    assert "hello from rank 0" in (next(out.glob("logs/*/attempt_0/0/stdout.log"))).read_text()
+
+
+def test_output_streams_while_the_job_runs(script, runs):
+    """The first rank line must reach us seconds before the job ends (not only at the end)."""
+    proc = subprocess.Popen(labkit_cli("launch", "--nproc", "2", "--out", str(runs / "live"), "--quiet",
+                                       str(script(HELLO))), stdout=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "HELLO_SLEEP": "4"})
+    first = None
+    for line in proc.stdout:
+        if "hello from rank" in line and first is None:
+            first = time.monotonic()
+    proc.wait(timeout=120)
+    end = time.monotonic()
+    assert proc.returncode == 0 and first is not None
+    assert end - first > 3.0, f"first output only {end - first:.1f}s before the end"
+
+
+def test_rank_prefixes_in_stream(script, runs, capsys):
+    launch(script(HELLO), nproc=2, runs_root=runs, progress=False)
+    out = capsys.readouterr().out
+    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
+
+
+def test_run_directories_are_never_overwritten(script, runs):
+    out = runs / "once"
+    launch(script(HELLO), nproc=1, out=out, progress=False, stream="none")
+    with pytest.raises(ConfigError, match="never overwritten"):
+        launch(script(HELLO), nproc=1, out=out, progress=False, stream="none")
+
+
+def test_missing_script_is_rejected_before_launch(runs):
+    with pytest.raises(ConfigError, match="does not exist"):
+        launch(runs / "nope.py", nproc=2, runs_root=runs)
+    assert list(runs.iterdir()) == []
+
+
+def test_each_launch_gets_its_own_directory(script, runs):
+    a = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
+    b = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
+    assert a.run_dir != b.run_dir and a.run_dir.parent == b.run_dir.parent == runs

@@ -1,0 +1,67 @@
+"""In-process checks of the model, the manual split and the reference (no torchrun needed)."""
+
+import torch
+
+from labkit.config import RunConfig
+from labkit.model import build_model, make_batch, tokenwise_loss_fn
+from labkit.reference import Reference, grad_diff, whole_batch_reference
+from labkit.stages import manual_stage_module
+
+
+def test_manual_split_partitions_every_parameter_once():
+    cfg = RunConfig(schedule="Interleaved1F1B", preset="tiny")  # 4 stages
+    full = build_model(cfg)
+    names = [set(n for n, _ in manual_stage_module(full, s, cfg.n_stages).named_parameters()) for s in range(cfg.n_stages)]
+    assert set().union(*names) == {n for n, _ in full.named_parameters()}
+    assert sum(len(n) for n in names) == len(list(full.parameters()))
+
+
+def test_stages_in_sequence_equal_the_full_model():
+    cfg = RunConfig(schedule="Interleaved1F1B", preset="tiny")
+    full = build_model(cfg)
+    x, _ = make_batch(cfg)
+    h = x
+    for s in range(cfg.n_stages):
+        h = manual_stage_module(full, s, cfg.n_stages)(h)
+    assert torch.allclose(h, full(x), atol=1e-6)
+
+
+def _chunked_vs_whole(layout: str) -> float:
+    cfg = RunConfig(preset="tiny", layout=layout, n_microbatches=4)
+    model = build_model(cfg)
+    x, _ = make_batch(cfg)
+    with torch.no_grad():
+        whole = model(x)
+        chunked = torch.cat([model(c) for c in x.chunk(4, dim=0)], dim=0)  # what the schedules do: dim 0
+    return float((whole - chunked).abs().max())
+
+
+def test_batch_layout_microbatches_split_the_batch():
+    assert _chunked_vs_whole("batch") < 1e-5
+
+
+def test_tutorial_layout_microbatches_split_the_sequence():
+    # The official tutorial's layout: dim 0 is read as the sequence, so chunks change attention.
+    assert _chunked_vs_whole("tutorial") > 1e-3
+
+
+def test_reference_grads_are_the_whole_batch_mean_loss():
+    cfg = RunConfig(preset="tiny", n_microbatches=4)
+    model = build_model(cfg)
+    x, y = make_batch(cfg)
+    ref = whole_batch_reference(model, x, y, 4, tokenwise_loss_fn)
+    model.zero_grad()
+    tokenwise_loss_fn(model(x), y).backward()  # equal microbatches: mean of means == whole mean
+    worst = max(float((p.grad - ref.grads[n]).abs().max()) for n, p in model.named_parameters())
+    assert worst < 1e-6
+    assert len(ref.losses) == 4
+
+
+def test_grad_diff_never_skips_a_missing_parameter():
+    cfg = RunConfig(preset="tiny")
+    model = build_model(cfg)
+    grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    ref = Reference(grads={n: torch.zeros_like(p) for n, p in model.named_parameters()})
+    assert grad_diff([model], grads, ref)[0] == 0.0
+    grads.pop("output.weight")
+    assert grad_diff([model], grads, ref)[0] == float("inf")
