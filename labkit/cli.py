@@ -29,32 +29,50 @@ def _add_run(sub) -> None:
                    help="tutorial: the official tutorial's layout (microbatches cut the sequence; fails the check)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
-    p.add_argument("--timeout", type=float, default=None, help="deadline for the whole job, seconds")
+    p.add_argument("--split-points", default=None,
+                   help="comma-separated modules where stages 1.. begin, e.g. layers.3,layers.6 (default: even)")
     p.add_argument("--out", default=None, help="run directory (new or empty); default runs/<stamp>-<name>")
-    p.add_argument("--stream", default="output", choices=["output", "all", "none"])
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_common(p)
 
 
 def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="launch ANY torchrun script with the kit's run directory and logs")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this node")
     p.add_argument("--out", default=None)
-    p.add_argument("--timeout", type=float, default=None)
-    p.add_argument("--stream", default="output", choices=["output", "all", "none"])
-    p.add_argument("--quiet", action="store_true")
+    _add_common(p)
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _add_common(p) -> None:
+    from .launch import DEFAULT_TIMEOUT_S
+
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"deadline for the whole job in seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none); "
+                        "on expiry every rank's stack is dumped, then the job is ended")
+    p.add_argument("--stream", default="output", choices=["output", "all", "none"],
+                   help="live output: rank output (default), also the pipelining DEBUG lines (all), or none")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (multi-node: run on every node)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default=None, help="job id shared by all nodes (default: from the endpoint)")
+
+
+def _nodes(a) -> dict:
+    return {"nnodes": a.nnodes, "node_rank": a.node_rank, "rdzv_endpoint": a.rdzv_endpoint, "rdzv_id": a.rdzv_id}
 
 
 def cmd_run(a) -> int:
     from .launch import LaunchError, run
 
-    cfg = RunConfig(schedule=a.schedule, pp_size=a.nproc, n_microbatches=a.microbatches, split=a.split,
+    cfg = RunConfig(schedule=a.schedule, pp_size=a.nproc * a.nnodes, n_microbatches=a.microbatches, split=a.split,
                     stages_per_rank=a.stages_per_rank, inference=a.inference, preset=a.preset,
                     batch_size=a.batch_size, steps=a.steps, device=a.device, layout=a.layout, seed=a.seed,
-                    pg_timeout=a.pg_timeout)
+                    pg_timeout=a.pg_timeout,
+                    split_points=a.split_points.split(",") if a.split_points else None)
     try:
-        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet)
+        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit run: {e}", file=sys.stderr)
         return e.run.job_exitcode
@@ -69,7 +87,8 @@ def cmd_launch(a) -> int:
 
     args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
     try:
-        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet)
+        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream,
+                   progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit launch: {e}", file=sys.stderr)
         return e.run.job_exitcode
@@ -90,6 +109,29 @@ def cmd_doctor(a) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_clean(a) -> int:
+    from .clean import clean, describe
+
+    print(describe(clean(all_jobs=a.all)))
+    return 0
+
+
+def cmd_slurm(a) -> int:
+    from .slurm import slurm_script
+
+    kit_args = a.kit_args[1:] if a.kit_args[:1] == ["--"] else a.kit_args
+    text = slurm_script(kit_args, nodes=a.nodes, gpus_per_node=a.gpus_per_node, job_name=a.job_name,
+                        time_limit=a.time, partition=a.partition, port=a.port)
+    if a.output == "-":
+        print(text, end="")
+    else:
+        from pathlib import Path
+
+        Path(a.output).write_text(text)
+        print(f"wrote {a.output}; submit it with: sbatch {a.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="labkit", description="PP Lab: launch and read pipeline-parallel jobs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -97,13 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     d = sub.add_parser("doctor", help="what can run here, and how to fix what is missing")
     d.add_argument("--json", action="store_true")
-    for hook in _EXTRA_COMMANDS:
-        hook(sub)
+    c = sub.add_parser("clean", help="end processes the kit left running (orphans; --all: every kit job)")
+    c.add_argument("--all", action="store_true", help="also end jobs whose notebook or terminal is still alive")
+    sl = sub.add_parser("slurm", help="write an sbatch script that runs a labkit command on several nodes")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, default=0)
+    sl.add_argument("--job-name", default="pplab")
+    sl.add_argument("--time", default="00:30:00")
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--port", type=int, default=29400)
+    sl.add_argument("-o", "--output", default="-", help="file to write (default: print)")
+    sl.add_argument("kit_args", nargs=argparse.REMAINDER, help="-- run|launch ... (the command for every node)")
     return p
 
 
-_EXTRA_COMMANDS: list = []  # other modules register subcommands here (timeline, theory, clean, ...)
-_HANDLERS = {"run": cmd_run, "launch": cmd_launch, "doctor": cmd_doctor}
+_HANDLERS = {"run": cmd_run, "launch": cmd_launch, "doctor": cmd_doctor, "clean": cmd_clean, "slurm": cmd_slurm}
 
 
 def main(argv=None) -> int:

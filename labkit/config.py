@@ -129,6 +129,9 @@ class RunConfig:
     """Process-group timeout in seconds (gloo's default is 30 minutes: far too long for a lab)."""
     tolerance: float = 1e-4
     """Largest absolute difference from the unsplit reference that still counts as a match."""
+    split_points: list[str] | None = None
+    """Modules where stages 1..n_stages-1 begin, e.g. ["layers.3", "layers.6"] (SplitPoint.BEGINNING);
+    default: layers spread evenly. Used by both split modes."""
     extra: dict = field(default_factory=dict)
     """Free-form notes carried into result.json (never interpreted)."""
 
@@ -189,6 +192,9 @@ class RunConfig:
                 f"schedules cut the batch into equal microbatches. Use --microbatches that divides "
                 f"{self.batch_size} (e.g. {_divisors(self.batch_size)}), or change --batch-size."
             )
+        if self.split_points is not None:
+            self.split_points = list(self.split_points)
+            self.layer_bounds()  # validates
         if self.layout == "tutorial" and preset.seq_len % self.n_microbatches:
             raise ConfigError(
                 f"With the tutorial layout the microbatches cut the sequence ({preset.seq_len} tokens): use "
@@ -229,6 +235,30 @@ class RunConfig:
         """Stage indices that live on `rank` (loop placement, or V placement for V-shaped schedules)."""
         return stage_placement(self.pp_size, self.stages_per_rank or 1, self.info.v_shaped)[rank]
 
+    def layer_bounds(self) -> list[int]:
+        """Layer index where each stage starts, plus n_layers (from split_points, or even)."""
+        n_layers = self.model.n_layers
+        if self.split_points is None:
+            return layer_bounds(n_layers, self.n_stages)
+        valid = [f"layers.{i}" for i in range(1, n_layers)]
+        if len(self.split_points) != self.n_stages - 1:
+            raise ConfigError(
+                f"{self.n_stages} stages need {self.n_stages - 1} split points (where stages 1..{self.n_stages - 1} "
+                f"begin), got {len(self.split_points)}: {self.split_points}. Pass one per stage boundary, "
+                f"e.g. {valid[:self.n_stages - 1]}."
+            )
+        starts = []
+        for sp in self.split_points:
+            if sp not in valid:
+                raise ConfigError(
+                    f"Split point {sp!r} names no module where a stage can begin. The model's decoder layers are "
+                    f"layers.0 .. layers.{n_layers - 1}; a stage can begin at one of {valid[0]} .. {valid[-1]}."
+                )
+            starts.append(int(sp.split(".")[1]))
+        if starts != sorted(set(starts)):
+            raise ConfigError(f"Split points must be distinct and in model order, got {self.split_points}.")
+        return [0, *starts, n_layers]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -258,6 +288,8 @@ class RunConfig:
         ]
         if self.inference:
             args.append("--inference")
+        if self.split_points:
+            args += ["--split-points", ",".join(self.split_points)]
         return args
 
 

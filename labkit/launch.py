@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .config import ConfigError, RunConfig
 from .progress import Progress, in_notebook
+from .clean import OWNER_VAR, RUN_DIR_VAR, clean, describe, owner_token
 from .rendezvous import BACKEND_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,7 @@ DEFAULT_RUNS_ROOT = "runs"
 PP_LOG_FORMAT = "%(created).6f %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
 PROGRESS_RE = re.compile(r"\[labkit\] progress (\d+)/(\d+)")
 TAIL_LINES = 30
+DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_TIMEOUT", "900"))  # a hung lab job ends within 15 minutes
 
 
 class LaunchError(RuntimeError):
@@ -154,7 +156,8 @@ def new_run_dir(out: str | os.PathLike | None = None, name: str = "run", runs_ro
 
 
 def torchrun_command(script: str | os.PathLike, script_args: list[str], nproc: int, run_dir: Path,
-                     nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None) -> list[str]:
+                     nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+                     rdzv_id: str | None = None) -> list[str]:
     """argv for torchrun (never a shell string). Single node: an OS-chosen port, never a fixed 29500."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1 and rdzv_endpoint is None:
@@ -167,7 +170,7 @@ def torchrun_command(script: str | os.PathLike, script_args: list[str], nproc: i
         if not rdzv_endpoint:
             raise ConfigError("A multi-node job needs a rendezvous endpoint HOST:PORT reachable from every node.")
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", f"labkit-{run_dir.name}"]
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or f"labkit-{rdzv_endpoint}"]
     cmd += ["--nproc-per-node", str(nproc), "--max-restarts", "0",
             "--log-dir", str(run_dir / "logs"), "--redirects", "3", str(script), *script_args]
     return cmd
@@ -179,7 +182,8 @@ def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, sing
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listeners on loopback only
     env["PYTHONUNBUFFERED"] = "1"  # rank output reaches the files (and the cell) line by line
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stack into the rank's stderr.log
-    env["LABKIT_RUN_DIR"] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells scripts where to write
+    env[RUN_DIR_VAR] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells scripts where to write
+    env[OWNER_VAR] = owner_token()  # who launched it: when that process dies, its ranks are orphans
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick anyway, without its warning
     if pp_logs:
         env["TORCH_LOGS"] = "+pp"
@@ -291,14 +295,18 @@ def _stop(proc: subprocess.Popen, known: dict, grace: float = 5.0, dump_stacks: 
     """End torchrun and every worker it started (workers live in their own sessions)."""
     import psutil
 
-    workers = list(known.values()) + _descendants(proc.pid)
-    if dump_stacks:
+    workers = list({w.pid: w for w in list(known.values()) + _descendants(proc.pid)}.values())
+    if dump_stacks and proc.poll() is None:
+        # Freeze the agent first: once one rank dies of its SIGABRT, torchrun would kill the others
+        # in the middle of writing their stacks.
+        proc.send_signal(signal.SIGSTOP)
         for w in workers:
             try:
                 w.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER=1: stacks of all threads -> stderr.log
             except psutil.Error:
                 pass
-        time.sleep(1.0)
+        psutil.wait_procs(workers, timeout=5)  # SIGABRT is fatal once the stacks are written
+        proc.send_signal(signal.SIGCONT)
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGTERM)  # torchrun forwards SIGTERM to its workers
@@ -375,6 +383,35 @@ def _first_failure(run: Run) -> tuple[int | None, str]:
     return None, "torchrun failed before any rank reported (see launcher.log)"
 
 
+_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
+
+
+def _stack_report(run: Run) -> dict[int, str]:
+    """From each rank's faulthandler dump: its innermost frame, and the innermost frame outside libraries."""
+    where = {}
+    dumps = []
+    for rank in range(run.nproc):
+        text = run.log(rank, "stderr")
+        i = text.rfind("Fatal Python error")
+        if i < 0:
+            where[rank] = "no stack dump (the rank had already exited)"
+            continue
+        dump = text[i:]
+        dumps.append(f"=== rank {rank} ===\n{dump}")
+        current = dump[dump.find("Current thread"):] if "Current thread" in dump else dump
+        frames = [m.groups() for m in map(_FRAME.match, current.splitlines()) if m]
+        if not frames:
+            where[rank] = "stack dump has no Python frames"
+            continue
+        inner = frames[0]
+        user = next((f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]), inner)
+        where[rank] = f"{user[0]}:{user[1]} in {user[2]}" + (
+            f" (innermost: {Path(inner[0]).name}:{inner[1]} in {inner[2]})" if user != inner else "")
+    if dumps:
+        (run.run_dir / "stacks.txt").write_text("\n".join(dumps))
+    return where
+
+
 def _finish(run: Run, started: float) -> None:
     run.wall_time_s = time.monotonic() - started
     rp = run.run_dir / "result.json"
@@ -400,31 +437,72 @@ def _error_message(run: Run, headline: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# checks made before anything starts
+
+
+def validate_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    for name, v, lo in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name} must be a whole number >= {lo}, got {v!r}.")
+    if node_rank >= nnodes:
+        raise ConfigError(f"node_rank {node_rank} must be below nnodes {nnodes} (nodes are numbered from 0).")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError("A multi-node job needs --rdzv-endpoint HOST:PORT (the first node's address, reachable "
+                          "from every node); run the same command on each node with its own --node-rank.")
+    if rdzv_endpoint is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--rdzv-endpoint must look like HOST:PORT (e.g. node001:29400), got {rdzv_endpoint!r}.")
+
+
+def preflight_device(device: str, nproc: int) -> None:
+    """`--device cuda` needs a GPU per local rank (NCCL refuses two ranks on one GPU): say so before launching."""
+    if device != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < nproc:
+        raise ConfigError(
+            f"--device cuda with {nproc} ranks on this node needs {nproc} GPUs, but {gpus} are visible "
+            f"(NCCL refuses two ranks on one GPU). Use --nproc {max(gpus, 1)} with a multi-stage schedule "
+            f"(all stages on one rank), or --device cpu.")
+
+
+# ---------------------------------------------------------------------------------------------
 # public API
 
 
 def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: int = 2, out=None,
-           runs_root=None, name: str | None = None, env: dict | None = None, timeout: float | None = None,
+           runs_root=None, name: str | None = None, env: dict | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
            stream: str = "output", progress: bool = True, check: bool = True, pp_logs: bool = True,
-           nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+           nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
            config: dict | None = None) -> Run:
     """Run `script` under torchrun with `nproc` ranks and return a `Run`.
 
     stream: "output" (rank stdout/stderr live, pipelining DEBUG lines only to the files), "all", or "none".
-    timeout: seconds before the job is ended (every rank's stack is dumped first); None waits forever.
+    timeout: seconds before the job is ended (every rank's stack is dumped first into its stderr.log
+      and stacks.txt); default $LABKIT_TIMEOUT or 900; 0 or None: no deadline.
     check: raise `LaunchError` (rank, command, log tail) when the job fails.
+    nnodes, node_rank, rdzv_endpoint, rdzv_id: a multi-node job (torchrun's c10d rendezvous); run the
+      same call on every node with its own node_rank.
     """
     script = Path(script)
     if not script.is_file():
         raise ConfigError(f"Script {script} does not exist. Pass the path of a Python file torchrun can run.")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a whole number >= 1, got {nproc!r}.")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+        raise ConfigError(f"timeout must be a positive number of seconds (0 or None: no deadline), got {timeout!r}.")
+    timeout = timeout or None
+    validate_nodes(nnodes, node_rank, rdzv_endpoint)
     if stream not in ("output", "all", "none"):
         raise ConfigError(f"stream must be 'output', 'all' or 'none', got {stream!r}.")
+    ended = clean(all_jobs=False)  # orphans of an earlier kernel that died hard
+    if ended:
+        print(f"[labkit] before launching: {describe(ended)}", flush=True)
     run_dir = new_run_dir(out, name or script.stem, runs_root)
-    cmd = torchrun_command(script, [str(a) for a in args], nproc, run_dir, nnodes, node_rank, rdzv_endpoint)
+    cmd = torchrun_command(script, [str(a) for a in args], nproc, run_dir, nnodes, node_rank, rdzv_endpoint, rdzv_id)
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     (run_dir / "config.json").write_text(json.dumps(config or {"script": str(script), "args": list(map(str, args)),
@@ -466,15 +544,17 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     streamer.poll(final=True)
     if run.status == "running":
         run.status = "ok" if proc.returncode == 0 else "failed"
-    if run.status != "ok":
+    if run.status == "timeout":
+        where = _stack_report(run)
+        run.error = (f"The job did not finish within the {timeout:g} s deadline and was stopped. Where each rank "
+                     f"was (full stacks in stacks.txt and each rank's stderr.log):\n"
+                     + "\n".join(f"  rank {r}: {w}" for r, w in where.items())
+                     + "\nRaise the deadline with timeout= (--timeout) if the job is just slow.")
+    elif run.status == "failed":
         run.failed_rank, reason = _first_failure(run)
-        launcher_text = (run_dir / "launcher.log").read_text(errors="replace")
-        run.rank_exitcodes = _failed_ranks_from_launcher(launcher_text)
-        if run.status == "timeout":
-            reason = (f"did not finish within the {timeout:g} s deadline; every rank's Python stack was "
-                      f"dumped into its stderr.log before it was stopped")
+        run.rank_exitcodes = _failed_ranks_from_launcher((run_dir / "launcher.log").read_text(errors="replace"))
         who = f"Rank {run.failed_rank}" if run.failed_rank is not None else "The job"
-        run.error = f"{who} {reason}" if run.status == "timeout" else f"{who} failed: {reason}"
+        run.error = f"{who} failed: {reason}"
     _finish(run, started)
     bar.close(run.status)
     if streamer.pp_lines and stream == "output":
@@ -485,7 +565,9 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
 
 
 def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool = True, stream: str = "output",
-        progress: bool = True, timeout: float | None = None, env: dict | None = None, **overrides) -> Run:
+        progress: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S, env: dict | None = None,
+        nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+        **overrides) -> Run:
     """Run the reference script (`scripts/train_pipeline.py`) for a config: `labkit.run(schedule="1F1B")`.
 
     `check=True` raises `LaunchError` when the job fails or the pipelined step does not match the
@@ -495,10 +577,17 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
         cfg = RunConfig(**overrides)
     elif overrides:
         cfg = RunConfig.from_dict({**cfg.to_dict(), **overrides})
+    validate_nodes(nnodes, node_rank, rdzv_endpoint)
+    if cfg.pp_size % nnodes:
+        raise ConfigError(f"pp_size {cfg.pp_size} is not divisible by nnodes {nnodes}: every node runs the same "
+                          f"number of ranks. Use a pp_size that is a multiple of {nnodes}.")
+    nproc = cfg.pp_size // nnodes
+    preflight_device(cfg.device, nproc)
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
-    r = launch(REFERENCE_SCRIPT, cfg.script_args(), nproc=cfg.pp_size, out=out, runs_root=runs_root,
+    r = launch(REFERENCE_SCRIPT, cfg.script_args(), nproc=nproc, out=out, runs_root=runs_root,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
-               config=cfg.to_dict())
+               config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+               rdzv_id=rdzv_id)
     if check and not r.ok:
         if r.result is not None and r.result.get("reference_match") is False and r.failed_rank in (0, None):
             raise LaunchError(_error_message(r, f"The pipelined step does not match the unsplit model: "

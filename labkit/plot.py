@@ -18,6 +18,7 @@ from typing import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from .config import ConfigError, schedule_info
 from .theory import closed_form_bubble
 from .timeline import COMM_KINDS, COMPUTE_KINDS, Timeline
 
@@ -47,7 +48,13 @@ def bubble_summary(timeline: Timeline) -> str:
 def _default_title(timeline: Timeline) -> str:
     meta = timeline.meta
     what = {"theory": "ideal", "profiler": "profiler"}.get(timeline.source, "measured")
-    parts = [f"{meta['schedule']} {what}" if meta.get("schedule") else f"{what} timeline"]
+    name = meta.get("schedule")
+    if name:
+        try:  # logs name the class (ScheduleDualPipeV); the kit's short name reads better
+            name = schedule_info(str(name)).name
+        except ConfigError:
+            pass
+    parts = [f"{name} {what}" if name else f"{what} timeline"]
     if meta.get("pp_size"):
         parts.append(f"pp_size={meta['pp_size']}")
     if meta.get("n_microbatches"):

@@ -35,77 +35,79 @@ from __future__ import annotations
 
 import gzip
 import io
+import operator
 import os
 import re
 import time as _time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from .timeline import Action, Timeline
 
 __all__ = [
     "Event", "parse_lines", "parse_files", "parse_run_dir", "to_timeline", "timeline_from_path",
-    "decode_action", "rank_from_path", "log_files",
+    "decode_action", "decode_message", "rank_from_path", "log_files",
 ]
 
 # ---------------------------------------------------------------------------------------------
 # line formats
+#
+# The hot loop splits lines with str methods (a regex per line costs more than the rest of the
+# work together); regexes only handle prefixes, completion messages and unusual formats.
 
 # Launcher prefixes before the record: torch's `[rank0]:`, torchrun --tee's `[default0]:`, a
 # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's `[rank0]:`, the kit's live stream `[rank0:err] `.
-_PREFIX = r"((?:\[[\w:.-]{1,40}\]:? ?)*)"
-# labkit.launch.PP_LOG_FORMAT: created levelname(1) name filename:lineno] message
-_KIT_RE = re.compile(_PREFIX + r"(\d{9,11}\.\d+) ([A-Z]) (torch\.distributed\.pipelining[\w.]*) ([^\s:]+):(\d+)\] ?(.*)$")
-# torch's TorchLogsFormatter: L MMDD HH:MM:SS.ffffff pid path:lineno][ trace id][ artifact] message
-_GLOG_RE = re.compile(_PREFIX + r"([VDIWEC])(\d\d)(\d\d) (\d\d):(\d\d):(\d\d(?:\.\d+)?) +(\d+) "
-                      r"(\S*?pipelining[/\\][^\s:]+):(\d+)\](?: \[\d+/\d+[^\]\s]*\])?(?: \[__\w+\])? ?(.*)$")
+_PREFIX_RE = re.compile(r"(?:\[[\w:.-]{1,40}\]:? ?)+")
+_PREFIX_RANK_RE = re.compile(r"\[rank(\d+)[\]:]")
+_PREFIX_LOCAL_RE = re.compile(r"\[[a-z_]*?(\d+)[\]:]")
 # Any other TORCH_LOGS_FORMAT that starts with %(created)f and holds %(name)s, e.g.
 # "%(created).6f %(process)d %(name)s %(message)s".
-_GENERIC_RE = re.compile(_PREFIX + r"(\d{9,11}\.\d+)((?: [^\s\]]+)*?) (torch\.distributed\.pipelining[\w.]*)"
-                         r"(?: ([^\s:]+):(\d+)\])? ?(.*)$")
-_PREFIX_RANK_RE = re.compile(r"\[rank(\d+)[\]:]")
-_PREFIX_LOCAL_RE = re.compile(r"\[(?:default|[a-z_]*?)(\d+)[\]:]")
+_GENERIC_RE = re.compile(r"(\d{9,11}\.\d+)((?: [^\s\]]+)*?) (torch\.distributed\.pipelining[\w.]*)"
+                         r"(?: ([^\s:]+):(\d+)\])? ?(.*)")
+# torch's formatter can put a trace id ` [0/1]` and an artifact ` [__name]` after `file:line]`.
+_TRACE_RE = re.compile(r"\[\d+/\d+[^\]\s]*\] ?(?:\[__\w+\] ?)?|\[__\w+\] ?")
 # A line that starts another log record (so it is not a continuation of the previous one).
-_RECORD_START_RE = re.compile(r"^(?:\[[\w:.-]{1,40}\]:? ?)*(?:\d{9,11}\.\d|[VDIWEC]\d{4} |\d{4}-\d\d-\d\d|"
+_RECORD_START_RE = re.compile(r"(?:\[[\w:.-]{1,40}\]:? ?)*(?:\d{9,11}\.\d|[VDIWEC]\d{4} |\d{4}-\d\d-\d\d|"
                               r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ])")
+_KIT_NAME = "torch.distributed.pipelining"
+_GLOG_LEVELS = {"V": "D", "D": "D", "I": "I", "W": "W", "E": "E", "C": "C"}  # glog V(erbose) = DEBUG
 
 # ---------------------------------------------------------------------------------------------
 # messages
 
+_RUN_PREFIX = "_PipelineScheduleRuntime running time_step "
 _RUNTIME_RE = re.compile(r"running time_step (\d+), action (\S+)")
-_DONE_RE = re.compile(r"^\[(Stage )?(\d+)\] (Forwarded|Backwarded)(?: (input|weight))? (chunk|microbatch) (\d+)(?:\D|$)")
-_ACTION_RE = re.compile(r"^(\d+)([A-Z][A-Z_]*?)(\d*)$")
-_OVERLAP_RE = re.compile(r"^\((.*)\)([A-Z][A-Z_]*)$")
+_DONE_RE = re.compile(r"\[(Stage )?(\d+)\] (Forwarded|Backwarded)(?: (input|weight))? (chunk|microbatch) (\d+)(?:\D|$)")
+_ACTION_RE = re.compile(r"(\d+)([A-Z][A-Z_]*?)(\d*)$")
+_OVERLAP_RE = re.compile(r"\((.*)\)([A-Z][A-Z_]*)$")
 
 # torch _ComputationType value -> timeline kind
 _KINDS = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "SEND", "SEND_B": "SEND", "RECV_F": "RECV",
           "RECV_B": "RECV"}
 _TIMELINE_KINDS = ("F", "B", "I", "W", "SEND", "RECV")
-_LEVELS = {"V": "D"}  # glog's V(erbose) is logging's DEBUG
 
 START, END = "start", "end"
 
 
-@dataclass(slots=True)
-class Event:
+class Event(NamedTuple):
     """One pipelining log record, with what it means.
 
     `kind`: F, B, I, W, SEND, RECV for work; UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP_F_B (with
-    `sub`) for other runtime actions; SCHEDULE (`Using ...`, the class name in `action`); INIT
-    (`Rank determined inference_mode`); None for anything else (p2p details, errors).
-    `mark`: START ("running ... action", printed BEFORE the work), END (a completion line), or None.
-    `origin`: "runtime" (running time_step), "schedule" (GPipe's `[s] Forwarded microbatch i`),
-    "stage" (`[Stage s] Forwarded chunk i`), or None. A completion line says "Backwarded" for both
-    B and I: its kind is B. `time_step` numbers the runtime's actions (it restarts each step).
+    `sub`, its (kind, stage, microbatch) parts) for other runtime actions; SCHEDULE (`Using ...`,
+    the class name in `action`); INIT (`Rank determined inference_mode`); None for anything else
+    (p2p details, errors). `mark`: START ("running ... action", printed BEFORE the work), END (a
+    completion line), or None. `origin`: "runtime" (running time_step), "schedule" (GPipe's
+    `[s] Forwarded microbatch i`), "stage" (`[Stage s] Forwarded chunk i`), or None. A completion
+    line says "Backwarded" for both B and I: its kind is B. `time_step` numbers the runtime's
+    actions (it restarts each step). `time` is in seconds (epoch; local time for the default format).
     """
 
     time: float
     rank: int | None
     pid: int | None
-    level: str
+    level: str  # D I W E C
     message: str
     kind: str | None = None
     stage: int | None = None
@@ -118,6 +120,8 @@ class Event:
     source: str = ""  # "schedules.py:2614": where torch logged it
     lineno: int = 0  # line number in its input (1-based)
 
+
+_new_event = tuple.__new__  # Event(...) without NamedTuple's keyword handling: the hot loop makes millions
 
 # ---------------------------------------------------------------------------------------------
 # decoding
@@ -158,33 +162,38 @@ def decode_action(text: str) -> tuple | None:
     return out
 
 
-def _decode(ev: Event) -> None:
-    msg = ev.message
-    if "running time_step" in msg:
-        m = _RUNTIME_RE.search(msg)
-        if m:
-            ev.time_step = int(m.group(1))
-            ev.action = m.group(2)
-            ev.origin = "runtime"
-            ev.mark = START
-            d = decode_action(m.group(2))
-            if d is not None:
-                ev.kind, ev.stage, ev.microbatch, _, ev.sub = d
-        return
-    if "warded " in msg:
+_NOTHING = (None, None, None, None, None, None, None, ())
+
+
+def decode_message(msg: str) -> tuple:
+    """(kind, stage, microbatch, mark, origin, time_step, action, sub) of one pipelining message."""
+    if msg.startswith(_RUN_PREFIX):
+        ts, sep, act = msg[len(_RUN_PREFIX):].partition(", action ")
+        if sep and ts.isdigit():
+            act = act.strip()
+            d = decode_action(act)
+            if d is None:
+                return (None, None, None, START, "runtime", int(ts), act, ())
+            return (d[0], d[1], d[2], START, "runtime", int(ts), act, d[4])
+    if msg[:1] == "[":
         m = _DONE_RE.match(msg)
         if m:
             word, part = m.group(3), m.group(4)
-            ev.kind = "F" if word == "Forwarded" else {"input": "I", "weight": "W"}.get(part, "B")
-            ev.stage = int(m.group(2))
-            ev.microbatch = int(m.group(6))
-            ev.mark = END
-            ev.origin = "stage" if (m.group(1) or m.group(5) == "chunk") else "schedule"
-        return
+            kind = "F" if word == "Forwarded" else {"input": "I", "weight": "W"}.get(part, "B")
+            origin = "stage" if (m.group(1) or m.group(5) == "chunk") else "schedule"
+            return (kind, int(m.group(2)), int(m.group(6)), END, origin, None, None, ())
+        return _NOTHING
+    if "running time_step" in msg:  # another wording of the runtime line
+        m = _RUNTIME_RE.search(msg)
+        if m:
+            d = decode_action(m.group(2)) or (None, None, None, None, ())
+            return (d[0], d[1], d[2], START, "runtime", int(m.group(1)), m.group(2), d[4])
+        return _NOTHING
     if msg.startswith("Using "):
-        ev.kind, ev.action = "SCHEDULE", msg[6:].strip()
-    elif msg.startswith("Rank determined inference_mode"):
-        ev.kind = "INIT"
+        return ("SCHEDULE", None, None, None, None, None, msg[6:].strip(), ())
+    if msg.startswith("Rank determined inference_mode"):
+        return ("INIT", None, None, None, None, None, None, ())
+    return _NOTHING
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,18 +201,17 @@ def _decode(ev: Event) -> None:
 
 
 class _Parser:
-    """Line-by-line state: the date of default-format stamps, and continuation lines."""
+    """Line-by-line state: the rank, the date of default-format stamps, continuation lines."""
 
     def __init__(self, rank: int | None, year: int | None):
         self.rank = rank
         self.year = year if year is not None else datetime.now().year
-        self.last_md: tuple[int, int] | None = None
-        self.midnight: dict[tuple[int, int, int], float] = {}
+        self.last_md = ""
+        self.clock: dict[str, float] = {}  # "MMDDHH:MM:SS" -> epoch seconds
         self.prefix_rank: dict[str, int | None] = {}
+        self.messages: dict[str, tuple] = {}  # message -> decoded (logs repeat their messages)
 
     def _rank(self, prefix: str) -> int | None:
-        if not prefix:
-            return self.rank
         r = self.prefix_rank.get(prefix, -1)
         if r == -1:
             hits = _PREFIX_RANK_RE.findall(prefix)
@@ -212,100 +220,142 @@ class _Parser:
             elif self.rank is not None:
                 r = self.rank
             else:
-                local = _PREFIX_LOCAL_RE.findall(prefix)
+                local = _PREFIX_LOCAL_RE.findall(prefix)  # torchrun --tee's [default<local rank>]:
                 r = int(local[-1]) if local else None
             self.prefix_rank[prefix] = r
         return r
 
-    def _day(self, mo: int, d: int) -> float:
-        md = (mo, d)
-        if self.last_md is not None and md < self.last_md and self.last_md[0] == 12 and mo == 1:
+    def _seconds(self, mmdd: str, hms: str) -> float | None:
+        """Epoch seconds of a year-less `MMDD HH:MM:SS` stamp (local time)."""
+        if mmdd < self.last_md and self.last_md[:2] == "12" and mmdd[:2] == "01":
             self.year += 1  # the log ran past new year's eve
-        self.last_md = md
-        key = (self.year, mo, d)
-        t = self.midnight.get(key)
-        if t is None:
+            self.clock.clear()
+        self.last_md = mmdd
+        try:
+            mo, d, h, mi, s = int(mmdd[:2]), int(mmdd[2:]), int(hms[:2]), int(hms[3:5]), int(hms[6:8])
             try:
-                t = datetime(self.year, mo, d).timestamp()
-            except ValueError:  # 0229 in a non-leap year: a file from a leap year
-                t = datetime(self.year - 1, mo, d).timestamp()
-            self.midnight[key] = t
-        return t
+                day = datetime(self.year, mo, d)
+            except ValueError:  # 0229 outside a leap year: the file is from an earlier year
+                day = datetime(self.year - 1, mo, d)
+            return day.timestamp() + h * 3600 + mi * 60 + s
+        except ValueError:
+            return None
 
     def parse(self, lines: Iterable[str]) -> list[Event]:
         events: list[Event] = []
-        kit, glog, generic = _KIT_RE.match, _GLOG_RE.match, _GENERIC_RE.match
-        cont: Event | None = None  # the record that continuation lines belong to (kit format)
-        saw_newline = False
-        last_raw = ""
-        last_ev: Event | None = None
+        append = events.append
+        new = _new_event
+        messages, clock, prefix_match = self.messages, self.clock, _PREFIX_RE.match
+        cont = -1  # index in `events` of the record that continuation lines belong to (kit format)
+        prev_raw = last_raw = ""
+        last_is_event = False
+        rank0 = self.rank
         n = 0
         for n, raw in enumerate(lines, 1):
+            prev_raw = last_raw
             last_raw = raw
-            if raw[-1:] == "\n":
-                saw_newline = True
             if "pipelining" not in raw:
-                last_ev = None
-                if cont is not None:
-                    cont = _continue(cont, raw)
+                last_is_event = False
+                if cont >= 0:
+                    cont = self._continue(events, cont, raw)
                 continue
             line = raw.rstrip("\r\n")
-            m = kit(line)
-            if m is not None:
-                pre, t, lvl, _name, fname, lno, msg = m.groups()
-                ev = Event(float(t), self._rank(pre), None, lvl, msg, source=f"{fname}:{lno}", lineno=n)
-                cont = ev
-            else:
-                m = glog(line)
+            rank = rank0
+            if line[:1] == "[":
+                m = prefix_match(line)
                 if m is not None:
-                    pre, lvl, mo, d, hh, mi, ss, pid, path, lno, msg = m.groups()
-                    t = self._day(int(mo), int(d)) + int(hh) * 3600 + int(mi) * 60 + float(ss)
-                    ev = Event(t, self._rank(pre), int(pid), _LEVELS.get(lvl, lvl), msg,
-                               source=f"{os.path.basename(path)}:{lno}", lineno=n)
-                    cont = None  # torch's formatter prefixes every line of a multi-line record itself
-                else:
-                    m = generic(line)
-                    if m is None:  # e.g. a traceback's `File ".../pipelining/stage.py", line 9`
-                        last_ev = None
-                        if cont is not None:
-                            cont = _continue(cont, raw)
-                        continue
-                    pre, t, mid, _name, fname, lno, msg = m.groups()
-                    pid, lvl = None, "?"
-                    for tok in mid.split():
-                        if tok.isdigit():
-                            pid = int(tok)
-                        elif tok.isalpha():
-                            lvl = tok[0].upper()
-                    ev = Event(float(t), self._rank(pre), pid, lvl, msg,
-                               source=f"{fname}:{lno}" if fname else "", lineno=n)
-                    cont = ev
-            _decode(ev)
-            events.append(ev)
-            last_ev = ev
+                    rank = self._rank(m.group(0))
+                    line = line[m.end():]
+            c = line[:1]
+            ev = None
+            if "0" <= c <= "9":
+                # labkit: "1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:123] msg"
+                p = line.split(" ", 4)
+                if len(p) == 5 and p[2].startswith(_KIT_NAME) and p[3][-1:] == "]" and len(p[1]) == 1:
+                    try:
+                        t = float(p[0])
+                    except ValueError:
+                        t = None
+                    if t is not None:
+                        msg = p[4]
+                        d = messages.get(msg)
+                        if d is None:
+                            d = decode_message(msg)
+                            if len(messages) < 200_000:
+                                messages[msg] = d
+                        ev = new(Event, (t, rank, None, p[1], msg, *d, p[3][:-1], n))
+                if ev is None:
+                    ev = self._generic(line, rank, n)
+                cont = len(events) if ev is not None else -1
+            elif c in _GLOG_LEVELS:
+                # torch default: "V1122 01:49:18.636000 7438 torch/distributed/pipelining/schedules.py:2614] msg"
+                p = line.split(" ", 4)
+                if len(p) == 5 and len(p[0]) == 5 and p[3][-1:] == "]" and p[2].isdigit():
+                    hms = p[1]
+                    key = p[0][1:] + hms[:8]
+                    t = clock.get(key)
+                    if t is None:
+                        t = self._seconds(p[0][1:], hms)
+                        if t is not None:
+                            clock[key] = t
+                    if t is not None:
+                        if len(hms) > 8:
+                            try:
+                                t += float(hms[8:])
+                            except ValueError:
+                                t = None
+                    if t is not None:
+                        msg = p[4]
+                        if msg[:1] == "[" and "/" in msg[:12] or msg[:3] == "[__":
+                            msg = _TRACE_RE.sub("", msg, count=1) if _TRACE_RE.match(msg) else msg
+                        d = messages.get(msg)
+                        if d is None:
+                            d = decode_message(msg)
+                            if len(messages) < 200_000:
+                                messages[msg] = d
+                        src = p[3][:-1]
+                        ev = new(Event, (t, rank, int(p[2]), _GLOG_LEVELS[c], msg, *d,
+                                         src[src.rfind("/") + 1:], n))
+                cont = -1  # torch's formatter prefixes every line of a multi-line record itself
+            if ev is None:
+                last_is_event = False
+                if cont >= 0:
+                    cont = self._continue(events, cont, raw)
+                continue
+            append(ev)
+            last_is_event = True
         # A last line without its newline (when the others have one) was cut mid-write: its numbers
         # may be cut too ("chunk 1" of "chunk 12"), so it keeps its text but loses its meaning.
-        if last_ev is not None and saw_newline and last_raw[-1:] != "\n":
-            last_ev.kind = last_ev.stage = last_ev.microbatch = last_ev.mark = last_ev.origin = None
-            last_ev.time_step = last_ev.action = None
-            last_ev.sub = ()
+        if last_is_event and prev_raw[-1:] == "\n" and last_raw[-1:] != "\n":
+            events[-1] = events[-1]._replace(kind=None, stage=None, microbatch=None, mark=None, origin=None,
+                                             time_step=None, action=None, sub=())
         # Lines of a single stream logged before init_process_group carry no [rankN]: use the pid.
-        if any(e.rank is None for e in events):
+        if rank0 is None and any(e.rank is None for e in events):
             by_pid = {e.pid: e.rank for e in events if e.rank is not None and e.pid is not None}
-            for e in events:
-                if e.rank is None and e.pid in by_pid:
-                    e.rank = by_pid[e.pid]
+            events = [e._replace(rank=by_pid[e.pid]) if e.rank is None and e.pid in by_pid else e for e in events]
         return events
 
+    def _generic(self, line: str, rank: int | None, n: int) -> Event | None:
+        m = _GENERIC_RE.match(line)
+        if m is None:
+            return None
+        t, mid, _name, fname, lno, msg = m.groups()
+        pid, lvl = None, "?"
+        for tok in mid.split():
+            if tok.isdigit():
+                pid = int(tok)
+            elif tok.isalpha():
+                lvl = tok[0].upper()
+        return Event(float(t), rank, pid, lvl, msg, *decode_message(msg), f"{fname}:{lno}" if fname else "", n)
 
-def _continue(cont: Event, raw: str) -> Event | None:
-    """Append a continuation line to a multi-line record; anything that starts a new record, a
-    traceback or a blank line ends the record."""
-    line = raw.rstrip("\r\n")
-    if not line or line.startswith("Traceback (most recent call last)") or _RECORD_START_RE.match(line):
-        return None
-    cont.message += "\n" + line
-    return cont
+    @staticmethod
+    def _continue(events: list[Event], i: int, raw: str) -> int:
+        """Append a continuation line to record `i`; a new record, a traceback or a blank line ends it."""
+        line = raw.rstrip("\r\n")
+        if not line or line.startswith("Traceback (most recent call last)") or _RECORD_START_RE.match(line):
+            return -1
+        events[i] = events[i]._replace(message=events[i].message + "\n" + line)
+        return i
 
 
 def parse_lines(lines: Iterable[str] | str, rank: int | None = None, year: int | None = None) -> list[Event]:
@@ -389,51 +439,74 @@ def parse_run_dir(run_dir: str | os.PathLike, year: int | None = None) -> list[E
 
 
 def _by_rank(events: list[Event]) -> dict[int, list[Event]]:
-    ranks = {e.rank for e in events}
-    out: dict[int, list[Event]] = defaultdict(list)
-    lone = ranks == {None}  # one file, no rank anywhere: it is rank 0
+    out: dict = defaultdict(list)
     for e in events:
-        if e.rank is not None or lone:
-            out[0 if e.rank is None else e.rank].append(e)
-    for r, evs in out.items():
+        out[e.rank].append(e)
+    lone = out.pop(None, None)
+    if lone is not None and not out:
+        out[0] = lone  # one file and no rank anywhere: it is rank 0
+    for evs in out.values():
         # Several files for one rank (or a clock step): order by time, stable for equal stamps.
-        if any(evs[i].time < evs[i - 1].time for i in range(1, len(evs))):
-            evs.sort(key=lambda e: e.time)
+        times = [e.time for e in evs]
+        if any(map(operator.gt, times, times[1:])):
+            evs.sort(key=operator.attrgetter("time"))
     return dict(out)
 
 
-def _runtime_actions(rank: int, evs: list[Event], other: Counter) -> tuple[list[Action], int]:
+_BACKWARD_FAMILY = ("B", "I", "W")
+
+
+def _runtime_actions(rank: int, evs: list[Event], other: Counter, notes: list[str]) -> tuple[list[Action], int]:
     """Runtime schedules: an action runs from its "running ... action" line to the next one."""
     acts: list[Action] = []
+    # Forward-only runs (loss_fn=None) still step through the planned B/I/W/SEND_B/RECV_B actions,
+    # which return at once: with no "Backwarded chunk" line on the rank, they are dropped.
+    ran_backward = any(e.origin == "stage" and e.kind == "B" for e in evs)
+    dropped = 0
     idx = [i for i, e in enumerate(evs) if e.origin == "runtime"]
     # Steps: time_step restarts at 0 for each schedule.step().
     steps: list[list[int]] = []
+    last_ts = None
     for i in idx:
-        if not steps or evs[i].time_step <= evs[steps[-1][-1]].time_step:
+        ts = evs[i].time_step
+        if last_ts is None or ts <= last_ts:
             steps.append([])
         steps[-1].append(i)
+        last_ts = ts
     for k, step in enumerate(steps):
         stop = steps[k + 1][0] if k + 1 < len(steps) else len(evs)  # first event of the next step
         for j, i in enumerate(step):
             e = evs[i]
-            nxt = step[j + 1] if j + 1 < len(step) else stop
             if j + 1 < len(step):
+                nxt = step[j + 1]
                 end = evs[nxt].time
             else:
                 # The step's last action: its completion line if it has one, else the step's last line.
+                nxt = stop
                 end = e.time
                 for x in evs[i + 1:stop]:
                     end = max(end, x.time)
                     if x.mark == END and x.stage == e.stage and x.microbatch == e.microbatch and \
                             _same_family(x.kind, e.kind):
                         break
-            end = max(end, e.time)
-            if e.sub:
-                acts += _split_overlap(rank, e, evs[i + 1:nxt], end)
-            elif e.kind in _TIMELINE_KINDS:
-                acts.append(Action(rank, e.stage, e.microbatch, e.kind, e.time, end))
+            if end < e.time:
+                end = e.time
+            kind = e.kind
+            if not ran_backward and (kind in _BACKWARD_FAMILY or (kind in ("SEND", "RECV") and "_B" in e.action)):
+                dropped += 1
+            elif e.sub:
+                subs = _split_overlap(rank, e, evs[i + 1:nxt], end)
+                if not ran_backward:
+                    dropped += sum(1 for a in subs if a.kind in _BACKWARD_FAMILY)
+                    subs = [a for a in subs if a.kind not in _BACKWARD_FAMILY]
+                acts += subs
+            elif kind in _TIMELINE_KINDS:
+                acts.append(Action(rank, e.stage, e.microbatch, kind, e.time, end))
             else:
-                other[e.kind or (e.action or "?")] += 1
+                other[kind or (e.action or "?")] += 1
+    if dropped:
+        notes.append(f"rank {rank}: {dropped} backward actions (B/I/W/SEND_B/RECV_B) ran without any backward "
+                     f"(forward-only run) and were dropped")
     return acts, len(steps)
 
 
@@ -515,7 +588,7 @@ def to_timeline(events: list[Event], source: str = "measured") -> Timeline:
     for rank, evs in sorted(_by_rank(events).items()):
         schedule = schedule or next((e.action for e in evs if e.kind == "SCHEDULE"), None)
         if any(e.origin == "runtime" for e in evs):
-            a, n = _runtime_actions(rank, evs, other)
+            a, n = _runtime_actions(rank, evs, other, notes)
             timing[str(rank)] = "runtime"
         else:
             a, n = _completion_actions(rank, evs, notes)

@@ -20,11 +20,11 @@ import torch.nn as nn
 from .config import RunConfig, layer_bounds
 
 
-def manual_stage_module(full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def manual_stage_module(full: nn.Module, stage: int, n_stages: int, bounds: list[int] | None = None) -> nn.Module:
     """A copy of the tutorial Transformer that keeps only `stage`'s layers (and ends)."""
     m = copy.deepcopy(full)
     n_layers = len(full.layers)
-    bounds = layer_bounds(n_layers, n_stages)
+    bounds = bounds or layer_bounds(n_layers, n_stages)
     keep = set(range(bounds[stage], bounds[stage + 1]))
     for i in range(n_layers):
         if i not in keep:
@@ -58,7 +58,7 @@ def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None)
     if cfg.split == "manual":
         stages = []
         for s in local:
-            mod = manual_stage_module(full, s, n).to(device)
+            mod = manual_stage_module(full, s, n, cfg.layer_bounds()).to(device)
             stages.append(PipelineStage(mod, s, n, device, input_args=stage_input_example(cfg, s, device), group=group))
         return stages, "manual: deleted layers, PipelineStage"
 
@@ -74,7 +74,7 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     """`pipeline()` on a copy of the full model, split at the first layer of every stage but the first."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    bounds = layer_bounds(cfg.model.n_layers, cfg.n_stages)
+    bounds = cfg.layer_bounds()
     split_spec = {f"layers.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
     model = copy.deepcopy(full).to(device)
     example = stage_input_example(cfg, 0, device)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import re
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Mapping
 
 from .config import ConfigError, schedule_info, stage_placement
@@ -504,7 +504,12 @@ def simulate_order(order, n_stages: int | None = None, n_microbatches: int | Non
 
 def simulate(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int | None = None,
              cost: Cost | str = Cost()) -> Timeline:
-    """The ideal timeline of a torch schedule under `cost` (source "theory"). Notebooks 03 and 06."""
+    """The ideal timeline of a torch schedule under `cost` (source "theory"). Notebooks 03 and 06.
+
+    Costs are per action of ONE stage. Cutting the same model into more stages makes each stage
+    cheaper: to compare schedules at equal model size, divide F and B by `stages_per_rank`
+    (e.g. Interleaved1F1B with 2 stages per rank: `Cost(F=0.5, B=1)` against GPipe's `Cost(F=1, B=2)`).
+    """
     info = schedule_info(schedule)
     spr = _resolve_stages_per_rank(info, stages_per_rank)
     order = planned_actions(info.name, pp_size, n_microbatches, spr)

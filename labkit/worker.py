@@ -49,8 +49,21 @@ def choose_device(requested: str, local_rank: int, local_world_size: int) -> tor
     return torch.device("cpu")
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this rank when its torchrun agent dies (even by SIGKILL): no orphans."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
     """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout."""
+    die_with_parent()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

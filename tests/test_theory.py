@@ -191,6 +191,14 @@ def test_simulation_respects_order_and_dependencies(name, p, m, spr):
     assert 0.0 <= metrics["bubble_fraction"] < 1.0
 
 
+def test_interleaving_divides_the_bubble_time_at_equal_model_size():
+    p, m, v = 4, 8, 2
+    gpipe = simulate("GPipe", p, m, cost=Cost(F=1, B=2)).metrics()["makespan"]
+    inter = simulate("Interleaved1F1B", p, m, v, cost=Cost(F=1 / v, B=2 / v)).metrics()["makespan"]
+    assert gpipe == pytest.approx(m * 3 + (p - 1) * 3)
+    assert inter == pytest.approx(m * 3 + (p - 1) * 3 / v)  # Megatron's interleaved schedule: bubble / v
+
+
 def test_zero_bubble_schedules_beat_1f1b():
     one_f_one_b = simulate("1F1B", 4, 8, cost="F=1,B=2").metrics()["bubble_fraction"]
     for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
@@ -315,3 +323,27 @@ def test_theory_json():
     assert out["makespan"] == tl.metrics()["makespan"]
     assert out["meta"]["cost"] == {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "p2p": 0.0, "unit": "units"}
     json.dumps(out)  # serialisable as is
+
+
+# --- against real runs ---------------------------------------------------------------------------
+
+def _fixture_runs():
+    import pathlib
+
+    root = pathlib.Path(__file__).parent / "fixtures" / "pplogs"
+    for d in sorted(root.glob("*/*-p*-m*")):
+        name, p, m = d.name.split("-")
+        if name in SCHEDULES:
+            yield pytest.param(d, name, int(p[1:]), int(m[1:]), id=f"{d.parent.name}-{d.name}")
+
+
+@pytest.mark.parametrize("run_dir,name,p,m", list(_fixture_runs()))
+def test_planned_order_is_what_torch_ran(run_dir, name, p, m):
+    """Each rank of a captured real run (TORCH_LOGS=+pp) ran exactly the order planned here."""
+    pplog = pytest.importorskip("labkit.pplog")
+    measured = pplog.timeline_from_path(run_dir)
+    spr = 2 if SCHEDULES[name].multi else 1
+    plan = planned_actions(name, p, m, spr)
+    for r in plan:
+        ran = sorted((a for a in measured.compute() if a.rank == r), key=lambda a: (a.start, a.end))
+        assert [(a.kind, a.stage, a.microbatch) for a in ran] == plan[r], f"rank {r}"

@@ -1,0 +1,92 @@
+"""Finding and ending processes the kit left behind (`labkit clean`, and a sweep before each launch).
+
+Every process a launch starts carries `LABKIT_RUN_DIR` (its run directory) and `LABKIT_OWNER`
+("<pid>:<start time>" of the process that called launch, e.g. a Jupyter kernel) in its
+environment. A kit process is an *orphan* when its owner is gone (a kernel killed hard) and it
+is still running: the next launch ends orphans, and `labkit clean` does too (`--all` also ends
+jobs whose owner is alive). Nothing without those variables is ever touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+RUN_DIR_VAR = "LABKIT_RUN_DIR"
+OWNER_VAR = "LABKIT_OWNER"
+
+
+def owner_token(pid: int | None = None) -> str:
+    p = psutil.Process(pid or os.getpid())
+    return f"{p.pid}:{p.create_time():.3f}"
+
+
+def owner_alive(token: str) -> bool:
+    try:
+        pid, started = token.split(":")
+        p = psutil.Process(int(pid))
+        return abs(p.create_time() - float(started)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except (ValueError, psutil.Error):
+        return False
+
+
+@dataclass
+class KitProcess:
+    pid: int
+    name: str
+    run_dir: str
+    owner: str
+    orphan: bool
+
+
+def kit_processes() -> list[KitProcess]:
+    """Every live process started by a kit launch on this machine (readable by this user)."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "name"]):
+        if p.pid == me:
+            continue
+        try:
+            env = p.environ()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.Error, OSError):
+            continue
+        run_dir = env.get(RUN_DIR_VAR)
+        if not run_dir:
+            continue
+        owner = env.get(OWNER_VAR, "")
+        # No owner recorded: we cannot know, so it is never treated as an orphan (only --all ends it).
+        found.append(KitProcess(p.pid, p.info["name"] or "?", run_dir, owner, orphan=bool(owner) and not owner_alive(owner)))
+    return found
+
+
+def clean(all_jobs: bool = False, grace: float = 3.0) -> list[KitProcess]:
+    """End orphaned kit processes (all kit processes with `all_jobs`); return what was ended."""
+    targets = [k for k in kit_processes() if all_jobs or k.orphan]
+    procs = []
+    for k in targets:
+        try:
+            p = psutil.Process(k.pid)
+            p.terminate()
+            procs.append(p)
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    return targets
+
+
+def describe(ended: list[KitProcess]) -> str:
+    if not ended:
+        return "nothing of the kit's was left running"
+    lines = [f"ended {len(ended)} process(es):"]
+    lines += [f"  pid {k.pid} {k.name} ({'orphan' if k.orphan else 'running job'}) run {k.run_dir}" for k in ended]
+    return "\n".join(lines)
