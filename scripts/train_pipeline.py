@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=60.0)
     p.add_argument("--tolerance", type=float, default=1e-4)
+    p.add_argument("--split-points", default=None, help="comma-separated modules where stages begin, e.g. layers.3,layers.6")
     p.add_argument("--out", default=None, help="run directory for result.json")
     return p.parse_args(argv)
 
@@ -53,7 +54,7 @@ def config_from_args(a: argparse.Namespace, world_size: int) -> RunConfig:
         schedule=a.schedule, pp_size=world_size, n_microbatches=a.microbatches, split=a.split,
         stages_per_rank=a.stages_per_rank, preset=a.preset, batch_size=a.batch_size, steps=a.steps,
         inference=a.inference, device=a.device, layout=a.layout, seed=a.seed, pg_timeout=a.pg_timeout,
-        tolerance=a.tolerance,
+        tolerance=a.tolerance, split_points=a.split_points.split(",") if a.split_points else None,
     )
 
 
