@@ -242,8 +242,9 @@ _RECORD_START = re.compile(r"^(\d{9,}\.\d+ [A-Z] |(\[rank\d+\]:)*[VDIWEC]\d{4} |
 
 
 class _Streamer:
-    def __init__(self, run_dir: Path, nproc: int, stream: str, progress: Progress | None):
+    def __init__(self, run_dir: Path, nproc: int, stream: str, progress: Progress | None, echo=None):
         self.run_dir, self.nproc, self.stream, self.progress = run_dir, nproc, stream, progress
+        self.echo = echo or (lambda line: print(line, flush=True))
         self.tails: dict[Path, _Tail] = {}
         self.pp_lines = 0
 
@@ -273,7 +274,7 @@ class _Streamer:
                     if self.stream != "all":
                         continue
                 if self.stream != "none":
-                    print(tail.prefix + line, flush=True)
+                    self.echo(tail.prefix + line)
         if self.progress is not None:
             self.progress.tick()
 
@@ -477,7 +478,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
            runs_root=None, name: str | None = None, env: dict | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
            stream: str = "output", progress: bool = True, check: bool = True, pp_logs: bool = True,
            nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-           config: dict | None = None) -> Run:
+           config: dict | None = None, stop_event=None, echo=None, on_progress=None) -> Run:
     """Run `script` under torchrun with `nproc` ranks and return a `Run`.
 
     stream: "output" (rank stdout/stderr live, pipelining DEBUG lines only to the files), "all", or "none".
@@ -486,6 +487,10 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     check: raise `LaunchError` (rank, command, log tail) when the job fails.
     nnodes, node_rank, rdzv_endpoint, rdzv_id: a multi-node job (torchrun's c10d rendezvous); run the
       same call on every node with its own node_rank.
+    stop_event: a `threading.Event`; setting it ends the job like an interrupt (status "interrupted",
+      no exception): for a Stop button when the launch runs in a background thread.
+    echo: called with each live output line instead of print (e.g. an ipywidgets Output's append).
+    on_progress: called as on_progress(done, total) when the script reports progress.
     """
     script = Path(script)
     if not script.is_file():
@@ -508,8 +513,8 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     (run_dir / "config.json").write_text(json.dumps(config or {"script": str(script), "args": list(map(str, args)),
                                                                "nproc": nproc}, indent=2))
     run = Run(run_dir=run_dir, command=cmd, nproc=nproc)
-    bar = Progress(name or script.stem, enabled=progress)
-    streamer = _Streamer(run_dir, nproc, stream, bar)
+    bar = Progress(name or script.stem, enabled=progress, on_update=on_progress)
+    streamer = _Streamer(run_dir, nproc, stream, bar, echo)
     started = time.monotonic()
     with open(run_dir / "launcher.log", "wb") as launcher_log:
         proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -523,6 +528,11 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
             if timeout is not None and time.monotonic() - started > timeout:
                 _stop(proc, known, dump_stacks=True)
                 run.status = "timeout"
+                break
+            if stop_event is not None and stop_event.is_set():
+                _stop(proc, known)
+                run.status = "interrupted"
+                run.error = "stopped on request (stop_event); every rank was stopped"
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
@@ -559,7 +569,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     bar.close(run.status)
     if streamer.pp_lines and stream == "output":
         print(f"[labkit] {streamer.pp_lines} pipelining log lines saved in the rank logs (stream='all' shows them)", flush=True)
-    if run.status != "ok" and check:
+    if run.status != "ok" and check and run.status != "interrupted":
         raise LaunchError(_error_message(run, run.error or "the job failed"), run)
     return run
 
@@ -567,7 +577,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
 def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool = True, stream: str = "output",
         progress: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-        **overrides) -> Run:
+        stop_event=None, echo=None, on_progress=None, **overrides) -> Run:
     """Run the reference script (`scripts/train_pipeline.py`) for a config: `labkit.run(schedule="1F1B")`.
 
     `check=True` raises `LaunchError` when the job fails or the pipelined step does not match the
@@ -587,8 +597,8 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
     r = launch(REFERENCE_SCRIPT, cfg.script_args(), nproc=nproc, out=out, runs_root=runs_root,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-               rdzv_id=rdzv_id)
-    if check and not r.ok:
+               rdzv_id=rdzv_id, stop_event=stop_event, echo=echo, on_progress=on_progress)
+    if check and not r.ok and r.status != "interrupted":
         if r.result is not None and r.result.get("reference_match") is False and r.failed_rank in (0, None):
             raise LaunchError(_error_message(r, f"The pipelined step does not match the unsplit model: "
                                                 f"{r.result.get('failure')}"), r)

@@ -41,9 +41,10 @@ class ProgressState:
 class Progress:
     """`with Progress("GPipe x2", total=3) as p: p.update(1)`; draws nothing when `enabled=False`."""
 
-    def __init__(self, title: str, total: int | None = None, enabled: bool = True):
+    def __init__(self, title: str, total: int | None = None, enabled: bool = True, on_update=None):
         self.state = ProgressState(title, total)
         self.enabled = enabled
+        self.on_update = on_update  # on_update(done, total): e.g. a widget's own progress bar
         self._widget = None
         self._last_draw = 0.0
         self._tty = False
@@ -75,6 +76,8 @@ class Progress:
             self.state.total = total
         if done is not None:
             self.state.done = done
+        if self.on_update is not None:
+            self.on_update(self.state.done, self.state.total)
         self._draw(force)
 
     def tick(self) -> None:

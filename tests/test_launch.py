@@ -115,3 +115,17 @@ def test_each_launch_gets_its_own_directory(script, runs):
     a = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
     b = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
     assert a.run_dir != b.run_dir and a.run_dir.parent == b.run_dir.parent == runs
+
+
+def test_stop_event_ends_the_job_from_another_thread(script, runs):
+    import threading
+
+    stop = threading.Event()
+    lines = []
+    timer = threading.Timer(8.0, stop.set)
+    timer.start()
+    t0 = time.monotonic()
+    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False, stop_event=stop, echo=lines.append,
+               env={"HELLO_SLEEP": "60"})
+    assert r.status == "interrupted" and time.monotonic() - t0 < 25
+    assert any("hello from rank" in l for l in lines)
