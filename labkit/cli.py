@@ -31,6 +31,7 @@ def _add_run(sub) -> None:
     p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
     p.add_argument("--split-points", default=None,
                    help="comma-separated modules where stages 1.. begin, e.g. layers.3,layers.6 (default: even)")
+    p.add_argument("--profile", action="store_true", help="also record a torch.profiler trace per rank")
     p.add_argument("--out", default=None, help="run directory (new or empty); default runs/<stamp>-<name>")
     _add_common(p)
 
@@ -72,7 +73,7 @@ def cmd_run(a) -> int:
                     pg_timeout=a.pg_timeout,
                     split_points=a.split_points.split(",") if a.split_points else None)
     try:
-        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, **_nodes(a))
+        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, profile=a.profile, **_nodes(a))
     except LaunchError as e:
         print(f"labkit run: {e}", file=sys.stderr)
         return e.run.job_exitcode

@@ -152,30 +152,7 @@ class RunConfig:
         if not (isinstance(self.pg_timeout, (int, float)) and self.pg_timeout > 0):
             raise ConfigError(f"pg_timeout must be a positive number of seconds, got {self.pg_timeout!r}.")
 
-        if self.stages_per_rank is None:
-            self.stages_per_rank = 2 if info.multi else 1
-        _positive_int("stages_per_rank", self.stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
-        if not info.multi and self.stages_per_rank != 1:
-            raise ConfigError(
-                f"{info.name} runs exactly one stage per rank, got --stages-per-rank {self.stages_per_rank}. "
-                f"Drop --stages-per-rank, or pick a multi-stage schedule such as Interleaved1F1B."
-            )
-        if info.multi and self.stages_per_rank == 1 and self.pp_size > 1:
-            raise ConfigError(
-                f"{info.name} is a multi-stage schedule: with one stage per rank use GPipe or 1F1B instead, "
-                f"or pass --stages-per-rank 2."
-            )
-        if info.v_shaped and self.stages_per_rank != 2:
-            raise ConfigError(
-                f"{info.name} is V-shaped: each rank holds stages rank and 2*pp_size-1-rank, so it needs "
-                f"exactly --stages-per-rank 2 (got {self.stages_per_rank})."
-            )
-        if self.inference and info.v_shaped:
-            raise ConfigError(
-                f"{info.name} cannot run forward-only: torch plans its I/W backward actions even with "
-                f"loss_fn=None and fails ('can't steal_bwd_input if this stage doesn't have backward'). "
-                f"For --inference use GPipe, 1F1B, Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
-            )
+        self.stages_per_rank = validate_schedule(info, self.pp_size, self.stages_per_rank, self.inference)
         preset = PRESETS[self.preset]
         if self.batch_size is None:
             self.batch_size = preset.batch_size
@@ -200,24 +177,7 @@ class RunConfig:
                 f"With the tutorial layout the microbatches cut the sequence ({preset.seq_len} tokens): use "
                 f"--microbatches that divides {preset.seq_len}."
             )
-        if info.v_shaped and self.n_microbatches < self.n_stages:
-            raise ConfigError(
-                f"{info.name} needs at least as many microbatches as stages ({self.n_stages}), got "
-                f"{self.n_microbatches}. Use --microbatches {self.n_stages} or more."
-            )
-        if info.name == "Interleaved1F1B" or info.name == "InterleavedZeroBubble":
-            rounds = max(1, self.n_microbatches // self.pp_size)
-            if self.n_microbatches % rounds:
-                raise ConfigError(
-                    f"{info.name} runs microbatches in rounds of pp_size: {self.n_microbatches} microbatches "
-                    f"on {self.pp_size} ranks give {rounds} rounds, which do not divide them. Use a multiple "
-                    f"of {self.pp_size} microbatches (e.g. {self.pp_size * rounds})."
-                )
-        if info.name == "InterleavedZeroBubble" and self.n_microbatches < self.pp_size:
-            raise ConfigError(
-                f"InterleavedZeroBubble needs at least pp_size ({self.pp_size}) microbatches, got "
-                f"{self.n_microbatches}."
-            )
+        validate_microbatches(info, self.pp_size, self.n_stages, self.n_microbatches)
 
     @property
     def info(self) -> ScheduleInfo:
@@ -291,6 +251,52 @@ class RunConfig:
         if self.split_points:
             args += ["--split-points", ",".join(self.split_points)]
         return args
+
+
+def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | None, inference: bool = False) -> int:
+    """Stages per rank the schedule needs (default 1, or 2 for multi-stage); raises ConfigError with a fix."""
+    if stages_per_rank is None:
+        stages_per_rank = 2 if info.multi else 1
+    _positive_int("stages_per_rank", stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
+    if not info.multi and stages_per_rank != 1:
+        raise ConfigError(
+            f"{info.name} runs exactly one stage per rank, got --stages-per-rank {stages_per_rank}. "
+            f"Drop --stages-per-rank, or pick a multi-stage schedule such as Interleaved1F1B."
+        )
+    if info.multi and stages_per_rank == 1 and pp_size > 1:
+        raise ConfigError(
+            f"{info.name} is a multi-stage schedule: with one stage per rank use GPipe or 1F1B instead, "
+            f"or pass --stages-per-rank 2."
+        )
+    if info.v_shaped and stages_per_rank != 2:
+        raise ConfigError(
+            f"{info.name} is V-shaped: each rank holds stages rank and 2*pp_size-1-rank, so it needs "
+            f"exactly --stages-per-rank 2 (got {stages_per_rank})."
+        )
+    if inference and info.v_shaped:
+        raise ConfigError(
+            f"{info.name} cannot run forward-only: torch plans its I/W backward actions even with "
+            f"loss_fn=None and fails ('can't steal_bwd_input if this stage doesn't have backward'). "
+            f"For --inference use GPipe, 1F1B, Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
+        )
+    return stages_per_rank
+
+
+def validate_microbatches(info: ScheduleInfo, pp_size: int, n_stages: int, n_microbatches: int) -> None:
+    """Microbatch counts torch's schedules refuse, explained before anything starts."""
+    if info.v_shaped and n_microbatches < n_stages:
+        raise ConfigError(
+            f"{info.name} needs at least as many microbatches as stages ({n_stages}), got "
+            f"{n_microbatches}. Use --microbatches {n_stages} or more."
+        )
+    if info.name == "Interleaved1F1B" or info.name == "InterleavedZeroBubble":
+        rounds = max(1, n_microbatches // pp_size)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"{info.name} runs microbatches in rounds of pp_size: {n_microbatches} microbatches "
+                f"on {pp_size} ranks give {rounds} rounds, which do not divide them. Use a multiple "
+                f"of {pp_size} microbatches (e.g. {pp_size * rounds})."
+            )
 
 
 def stage_placement(pp_size: int, stages_per_rank: int, v_shaped: bool) -> list[list[int]]:

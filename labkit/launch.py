@@ -577,7 +577,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
 def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool = True, stream: str = "output",
         progress: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-        stop_event=None, echo=None, on_progress=None, **overrides) -> Run:
+        stop_event=None, echo=None, on_progress=None, profile: bool = False, **overrides) -> Run:
     """Run the reference script (`scripts/train_pipeline.py`) for a config: `labkit.run(schedule="1F1B")`.
 
     `check=True` raises `LaunchError` when the job fails or the pipelined step does not match the
@@ -594,7 +594,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
     nproc = cfg.pp_size // nnodes
     preflight_device(cfg.device, nproc)
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
-    r = launch(REFERENCE_SCRIPT, cfg.script_args(), nproc=nproc, out=out, runs_root=runs_root,
+    r = launch(REFERENCE_SCRIPT, cfg.script_args() + (["--profile"] if profile else []), nproc=nproc, out=out, runs_root=runs_root,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                rdzv_id=rdzv_id, stop_event=stop_event, echo=echo, on_progress=on_progress)

@@ -81,15 +81,20 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     return pipeline(model, mb_args=(example,), split_spec=split_spec)
 
 
-def build_schedule(cfg: RunConfig, stages: list, loss_fn=None):
-    """The torch schedule object for these stages (`loss_fn=None`: forward only, for inference)."""
+def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None):
+    """The torch schedule object `info` names, for these stages (`loss_fn=None`: forward only)."""
     import torch.distributed.pipelining as pp
 
-    cls = getattr(pp, cfg.info.cls, None)
+    cls = getattr(pp, info.cls, None)
     if cls is None:
         raise RuntimeError(
-            f"torch {torch.__version__} has no {cfg.info.cls}; upgrade torch (the kit supports 2.8 and later)."
+            f"torch {torch.__version__} has no {info.cls}; upgrade torch (the kit supports 2.8 and later)."
         )
-    if cfg.info.multi:
-        return cls(stages, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)
-    return cls(stages[0], n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)
+    if info.multi:
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def build_schedule(cfg: RunConfig, stages: list, loss_fn=None):
+    """The schedule of a RunConfig for these stages."""
+    return make_schedule(cfg.info, stages, cfg.n_microbatches, loss_fn)

@@ -124,6 +124,56 @@ def progress(done: int, total: int, what: str = "step") -> None:
 
 
 @contextmanager
+def maybe_profile(enabled: bool, d: "DistInfo", out_dir: str | os.PathLike):
+    """torch.profiler around the block when enabled; the trace goes to `out_dir/profile/rank<N>.json`."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        yield prof
+    path = Path(out_dir) / "profile" / f"rank{d.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
+ANNOTATION_PREFIX = "labkit::"
+
+
+def annotate_stages(stages: list) -> None:
+    """Name each stage's compute in profiler traces: `labkit::<stage><kind><microbatch>` (e.g. `labkit::1B3`).
+
+    Wraps the stage's `forward_one_chunk` (F), `backward_one_chunk` (B, or I when the schedule splits
+    the backward) and `backward_weight_one_chunk` (W). The waits for incoming tensors happen outside
+    these calls, so the spans are pure compute, for every schedule (torch's own `record_function`
+    names cover GPipe and the multi-stage runtime, but not 1F1B). Used with --profile only.
+    """
+    from torch.profiler import record_function
+
+    def wrap(stage, name, kind_of):
+        inner = getattr(stage, name)
+
+        def wrapper(chunk_id, *args, **kwargs):
+            kind = kind_of(args, kwargs)
+            with record_function(f"{ANNOTATION_PREFIX}{stage.stage_index}{kind}{chunk_id}"):
+                return inner(chunk_id, *args, **kwargs)
+
+        setattr(stage, name, wrapper)
+
+    def backward_kind(args, kwargs):
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        return "B" if full else "I"
+
+    for st in stages:
+        wrap(st, "forward_one_chunk", lambda a, k: "F")
+        wrap(st, "backward_one_chunk", backward_kind)
+        if hasattr(st, "backward_weight_one_chunk"):
+            wrap(st, "backward_weight_one_chunk", lambda a, k: "W")
+
+
+@contextmanager
 def timed(device: torch.device):
     """Wall time of the block in seconds (GPU work synchronised at both ends): `with timed(d) as t: ...; t()`."""
     sync(device)

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=60.0)
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("--split-points", default=None, help="comma-separated modules where stages begin, e.g. layers.3,layers.6")
+    p.add_argument("--profile", action="store_true",
+                   help="also record a torch.profiler trace per rank (profile/rank<N>.json in the run directory)")
     p.add_argument("--out", default=None, help="run directory for result.json")
     return p.parse_args(argv)
 
@@ -107,7 +109,10 @@ def main(argv=None) -> int:
     schedule = build_schedule(cfg, stages, loss_fn)
     x, y = make_batch(cfg, d.device)
 
-    step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y)
+    if a.profile:
+        worker.annotate_stages(stages)
+    with worker.maybe_profile(a.profile, d, out_dir):
+        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y)
     peak = worker.peak_memory_bytes(d.device)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
@@ -161,6 +166,7 @@ def main(argv=None) -> int:
             "peak_memory_bytes": [int(r[2]) for r in per_rank],
             "peak_memory_kind": "cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",
             "step_time_s": per_step,
+            "profiled": bool(a.profile),
             "wall_time_s": time.perf_counter() - t0,
             "config": cfg.to_dict(),
         }
