@@ -133,6 +133,64 @@ def cmd_slurm(a) -> int:
     return 0
 
 
+def cmd_timeline(a) -> int:
+    from .compare import load_timeline, measured_vs_ideal
+
+    tl = load_timeline(a.paths, a.source)
+    if a.perfetto:
+        from .trace import write_chrome_trace
+
+        write_chrome_trace(tl, a.perfetto)
+        print(f"wrote {a.perfetto} (open it in ui.perfetto.dev)", file=sys.stderr)
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from .plot import plot_side_by_side
+
+        if len(a.paths) == 1:
+            measured, ideal, _ = measured_vs_ideal(a.paths[0], a.source)
+            fig = plot_side_by_side(measured, ideal)
+        else:
+            import matplotlib.pyplot as plt
+
+            from .plot import plot_timeline
+
+            fig, ax = plt.subplots(figsize=(12, 3 + 0.4 * len(tl.ranks)))
+            plot_timeline(ax, tl)
+        fig.savefig(a.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {a.plot}", file=sys.stderr)
+    if a.json or not (a.plot or a.perfetto):
+        out = tl.to_json()
+        print(json.dumps(out if a.json else {"metrics": out["metrics"], "meta": out["meta"]}, indent=None if a.json else 2))
+    return 0
+
+
+def cmd_theory(a) -> int:
+    from .theory import Cost, simulate, theory_json
+
+    tl = simulate(a.schedule, a.pp_size, a.microbatches, a.stages_per_rank, Cost.parse(a.cost) if a.cost else Cost())
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from .plot import plot_timeline
+
+        fig, ax = plt.subplots(figsize=(12, 2 + 0.5 * a.pp_size))
+        plot_timeline(ax, tl)
+        fig.savefig(a.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {a.plot}", file=sys.stderr)
+    data = theory_json(tl)
+    if a.json:
+        print(json.dumps(data))
+    elif not a.plot:
+        print(f"{a.schedule}: makespan {data['makespan']:g}, bubble_fraction {data['bubble_fraction']:.4f} "
+              f"(idle share of wall time), bubble_ratio {data['bubble_ratio']:.4f} (idle / compute)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="labkit", description="PP Lab: launch and read pipeline-parallel jobs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -140,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     d = sub.add_parser("doctor", help="what can run here, and how to fix what is missing")
     d.add_argument("--json", action="store_true")
+    t = sub.add_parser("timeline", help="a run's per-stage timeline from its PP logs (or profiler traces)")
+    t.add_argument("paths", nargs="+", help="a run directory, or log files (labkit or torch's default format)")
+    t.add_argument("--json", action="store_true", help="print actions and metrics as JSON")
+    t.add_argument("--plot", default=None, help="save the measured timeline beside its fitted ideal (PNG)")
+    t.add_argument("--perfetto", default=None, help="save a Chrome/Perfetto trace JSON (one pid per rank)")
+    t.add_argument("--source", default="logs", choices=["logs", "profiler", "auto"],
+                   help="logs (default), profiler traces (run with --profile), or auto")
+    th = sub.add_parser("theory", help="the ideal timeline of a schedule (simulated from its own action order)")
+    th.add_argument("--schedule", required=True)
+    th.add_argument("--pp-size", type=int, required=True)
+    th.add_argument("--microbatches", type=int, required=True)
+    th.add_argument("--stages-per-rank", type=int, default=None)
+    th.add_argument("--cost", default=None, help="durations, e.g. F=1,B=2 or F=1,I=1,W=1,p2p=0.1")
+    th.add_argument("--json", action="store_true")
+    th.add_argument("--plot", default=None)
     c = sub.add_parser("clean", help="end processes the kit left running (orphans; --all: every kit job)")
     c.add_argument("--all", action="store_true", help="also end jobs whose notebook or terminal is still alive")
     sl = sub.add_parser("slurm", help="write an sbatch script that runs a labkit command on several nodes")
@@ -154,14 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_HANDLERS = {"run": cmd_run, "launch": cmd_launch, "doctor": cmd_doctor, "clean": cmd_clean, "slurm": cmd_slurm}
+_HANDLERS = {"run": cmd_run, "launch": cmd_launch, "doctor": cmd_doctor, "clean": cmd_clean, "slurm": cmd_slurm,
+             "timeline": cmd_timeline, "theory": cmd_theory}
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return _HANDLERS[a.command](a)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"labkit {a.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -87,10 +87,32 @@ class Timeline:
             "n_ranks": len(ranks),
         }
 
+    def trim_waits(self) -> "Timeline":
+        """Take the waiting out of log-measured actions: start = max(start, end - d(stage, kind)).
+
+        torch logs mark when work ENDS (GPipe/1F1B) or when an action is picked (the runtime), and the
+        wait for an incoming activation or gradient happens inside the action: read naively, a rank
+        is never idle and the bubble is hidden. `d(stage, kind)` is the shortest duration that kind
+        of action took on that stage in this run, i.e. one that did not wait. This is an estimate: it
+        needs at least one action of each (stage, kind) that did not wait (true for m >= 2), and it
+        takes the variation of compute time for waiting. Profiler traces (`--profile`) measure instead.
+        """
+        shortest: dict[tuple[int, str], float] = {}
+        for a in self.compute():
+            key = (a.stage, a.kind)
+            shortest[key] = min(shortest.get(key, a.duration), a.duration)
+        acts = [Action(a.rank, a.stage, a.microbatch, a.kind, max(a.start, a.end - shortest[(a.stage, a.kind)]), a.end)
+                if a.kind in COMPUTE_KINDS else a for a in self.actions]
+        meta = {**self.meta, "waits": "trimmed: start = max(logged start, end - shortest duration of that kind on that stage)"}
+        return Timeline(acts, self.source, meta)
+
     def to_json(self) -> dict:
+        """`actions`: compute only (F/B/I/W); `comms`: SEND/RECV where the logs show them; times from
+        the first action, in seconds for measured timelines."""
         t = self.shifted()
-        return {"actions": [asdict(a) for a in t.actions], "metrics": t.metrics(), "source": self.source,
-                "meta": self.meta}
+        return {"actions": [asdict(a) for a in t.actions if a.kind in COMPUTE_KINDS],
+                "comms": [asdict(a) for a in t.actions if a.kind not in COMPUTE_KINDS],
+                "metrics": t.metrics(), "source": self.source, "meta": self.meta}
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -1,0 +1,95 @@
+"""A measured run beside its ideal: load a run's timeline, find its shape, fit costs, simulate.
+
+`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer and notebooks 04-05
+use: the measured timeline (from the PP logs, or the profiler traces), and the ideal timeline of
+the same schedule with costs fitted from the measurement, with both bubble numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import schedule_info
+from .timeline import Action, Timeline
+
+SOURCES = ("logs", "profiler", "auto")
+
+
+def load_timeline(paths, source: str = "logs", trim: bool = True) -> Timeline:
+    """The measured timeline of a run directory or of log files. `auto`: profiler traces when present.
+
+    Log timelines have their waits trimmed (`Timeline.trim_waits`) unless `trim=False`: the raw
+    reading folds every wait into the next action and hides the bubble.
+    """
+    from .pplog import timeline_from_path
+
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    single = paths if isinstance(paths, (str, os.PathLike)) else (list(paths)[0] if len(list(paths)) == 1 else None)
+    if source in ("profiler", "auto") and single is not None:
+        from .profiler import profile_files, timeline_from_profile
+
+        if profile_files(single) or source == "profiler":
+            return timeline_from_profile(single)
+    tl = timeline_from_path(paths)
+    return tl.trim_waits() if trim else tl
+
+
+@dataclass
+class Shape:
+    schedule: str
+    pp_size: int
+    n_microbatches: int
+    stages_per_rank: int
+
+
+def run_shape(tl: Timeline, run_dir: str | os.PathLike | None = None) -> Shape:
+    """Schedule, ranks, microbatches and stages per rank of a run: from result.json, else from the timeline."""
+    if run_dir is not None and (Path(run_dir) / "result.json").exists():
+        r = json.loads((Path(run_dir) / "result.json").read_text())
+        if all(k in r for k in ("schedule", "pp_size", "n_microbatches", "stages_per_rank")):
+            return Shape(r["schedule"], r["pp_size"], r["n_microbatches"], r["stages_per_rank"])
+    comp = tl.compute()
+    if not comp:
+        raise ValueError("The timeline has no compute actions: was the run logged with TORCH_LOGS=+pp?")
+    name = tl.meta.get("schedule")
+    if not name:
+        raise ValueError("Cannot tell which schedule ran (no 'Using Schedule...' line): pass the run directory.")
+    ranks = {a.rank for a in comp}
+    n_stages = max(a.stage for a in comp) + 1
+    return Shape(schedule_info(name).name, len(ranks), max(a.microbatch for a in comp) + 1, n_stages // len(ranks))
+
+
+def first_step(tl: Timeline) -> Timeline:
+    """Only the first step's actions (each rank's first 1/steps of its compute actions)."""
+    steps = int(tl.meta.get("steps") or 1)
+    if steps <= 1:
+        return tl
+    keep: list[Action] = []
+    for r in tl.ranks:
+        mine = sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start)
+        keep += mine[: len(mine) // steps]
+    return Timeline(sorted(keep, key=lambda a: (a.start, a.rank)), tl.source, {**tl.meta, "steps": 1})
+
+
+def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
+    from .theory import fit_cost, simulate
+
+    return simulate(shape.schedule, shape.pp_size, shape.n_microbatches, shape.stages_per_rank, fit_cost(tl))
+
+
+def measured_vs_ideal(path, source: str = "logs") -> tuple[Timeline, Timeline, dict]:
+    """(measured first step, fitted ideal, summary) of a run directory."""
+    measured = first_step(load_timeline(path, source))
+    shape = run_shape(measured, path if Path(path).is_dir() else None)
+    ideal = fitted_ideal(measured, shape)
+    m, i = measured.metrics(), ideal.metrics()
+    summary = {"schedule": shape.schedule, "pp_size": shape.pp_size, "n_microbatches": shape.n_microbatches,
+               "stages_per_rank": shape.stages_per_rank, "source": measured.source,
+               "measured_bubble_fraction": m["bubble_fraction"], "ideal_bubble_fraction": i["bubble_fraction"],
+               "measured_bubble_ratio": m["bubble_ratio"], "ideal_bubble_ratio": i["bubble_ratio"],
+               "measured_makespan": m["makespan"], "ideal_makespan": i["makespan"]}
+    return measured, ideal, summary
