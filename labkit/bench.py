@@ -1,0 +1,277 @@
+"""Benchmarks of the kit itself: what it costs and whether its timelines tell the truth.
+
+    python3 scripts/dev.py bench            # full run: bench/results.json + bench/RESULTS.md
+    python -m labkit.bench --quick          # a small, fast subset (what the test suite runs)
+
+Every figure is a ratio or a fraction measured within one run, with A and B interleaved pair by
+pair, because these machines are noisy: never compare absolute times across runs.
+1. launch overhead: a short job through `labkit launch` vs plain `torchrun` (whole processes);
+2. capture overhead: the reference script's step time with PP log capture (+pp, microsecond
+   format, to files) vs without, and with the profiler;
+3. fidelity: measured vs ideal bubble on the controlled workload, GPipe and 1F1B, several shapes;
+4. parser throughput at 10k, 100k, 1M lines (and whether time grows linearly);
+5. the notebook suite under nbval (wall time);
+6. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .launch import REPO_ROOT
+
+BENCH_DIR = REPO_ROOT / "bench"
+SHORT_JOB = textwrap.dedent("""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def _wall(cmd: list[str], env: dict | None = None) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if p.returncode:
+        raise RuntimeError(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def _pairs(a, b, n: int) -> tuple[list[float], list[float]]:
+    """Run a() and b() alternately n times (after one warm-up each); their results."""
+    a(), b()
+    ra, rb = [], []
+    for i in range(n):
+        if i % 2:
+            rb.append(b()), ra.append(a())
+        else:
+            ra.append(a()), rb.append(b())
+    return ra, rb
+
+
+def _ratio(ra: list[float], rb: list[float]) -> dict:
+    pair = [x / y for x, y in zip(ra, rb)]
+    return {"ratio": statistics.median(pair), "pair_ratios": pair, "a_median_s": statistics.median(ra),
+            "b_median_s": statistics.median(rb)}
+
+
+def launch_overhead(n: int = 5, nproc: int = 2) -> dict:
+    """`labkit launch` vs plain torchrun on the same short script, whole-process wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "short_job.py"
+        script.write_text(SHORT_JOB)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        count = iter(range(10_000))
+        kit = lambda: _wall([sys.executable, "-m", "labkit", "launch", "--nproc", str(nproc), "--quiet", "--stream",
+                             "none", "--out", str(Path(tmp) / f"run{next(count)}"), str(script)], env)
+        plain = lambda: _wall([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(nproc), str(script)], env)
+        return _ratio(*_pairs(kit, plain, n))
+
+
+def capture_overhead(n: int = 3, steps: int = 8, preset: str = "small") -> dict:
+    """Median step time of the reference script: +pp capture vs none, and profiler vs none."""
+    from .config import RunConfig
+    from .launch import REFERENCE_SCRIPT, launch
+
+    cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
+
+    def step_time(pp_logs: bool, profile: bool = False) -> float:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = launch(REFERENCE_SCRIPT, cfg.script_args() + (["--profile"] if profile else []), nproc=2,
+                       runs_root=tmp, progress=False, stream="none", pp_logs=pp_logs)
+            return statistics.median(r.result["step_time_s"][1:])  # step 1 warms up
+
+    logs, none_a = _pairs(lambda: step_time(True), lambda: step_time(False), n)
+    prof, none_b = _pairs(lambda: step_time(False, True), lambda: step_time(False), n)
+    return {"capture": _ratio(logs, none_a), "profiler": _ratio(prof, none_b), "steps": steps, "preset": preset}
+
+
+def fidelity(shapes=((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)), schedules=("GPipe", "1F1B"),
+             fwd_ms: float = 30, bwd_ms: float = 60) -> list[dict]:
+    """Measured (PP logs, waits trimmed) vs ideal (closed form) bubble on the controlled workload."""
+    from .compare import measured_vs_ideal
+    from .theory import closed_form_bubble
+    from .workload import WorkloadConfig, run_controlled
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for schedule in schedules:
+            for p, m in shapes:
+                if schedule == "1F1B" and m < p:
+                    continue  # torch refuses 1F1B with fewer microbatches than stages
+                cfg = WorkloadConfig(schedule=schedule, pp_size=p, n_microbatches=m, fwd_ms=fwd_ms, bwd_ms=bwd_ms)
+                r = run_controlled(cfg, runs_root=tmp, progress=False, stream="none")
+                _, _, s = measured_vs_ideal(r.run_dir)
+                rows.append({"schedule": schedule, "pp_size": p, "n_microbatches": m,
+                             "measured_bubble": round(s["measured_bubble_fraction"], 4),
+                             "ideal_bubble": round(closed_form_bubble(p, m), 4),
+                             "fitted_ideal_bubble": round(s["ideal_bubble_fraction"], 4)})
+    return rows
+
+
+def _fixture_lines() -> list[str]:
+    fx = sorted((REPO_ROOT / "tests" / "fixtures" / "pplogs").glob("*/ZBVZeroBubble-p4-m8/**/stderr.log"))
+    if not fx:
+        fx = sorted((REPO_ROOT / "tests" / "fixtures" / "pplogs").glob("**/stderr.log"))
+    return fx[0].read_text().splitlines()
+
+
+def parser_throughput(sizes=(10_000, 100_000, 1_000_000)) -> dict:
+    """Lines per second of parse_lines + to_timeline on a real log repeated (times shifted) to each size."""
+    from .pplog import parse_lines, to_timeline
+
+    base = [l for l in _fixture_lines() if l[:1].isdigit()]
+    t0 = float(base[0].split(" ", 1)[0])
+    span = float(base[-1].split(" ", 1)[0]) - t0 + 0.01
+    out = {}
+    for n in sizes:
+        lines = []
+        k = 0
+        while len(lines) < n:
+            shift = k * span
+            lines += [f"{float(l.split(' ', 1)[0]) + shift:.6f} {l.split(' ', 1)[1]}" for l in base]
+            k += 1
+        lines = lines[:n]
+        t = time.perf_counter()
+        tl = to_timeline(parse_lines(lines, rank=0))
+        dt = time.perf_counter() - t
+        out[str(n)] = {"lines_per_s": n / dt, "seconds": dt, "actions": len(tl.actions)}
+    sizes_sorted = sorted(out, key=int)
+    small, big = out[sizes_sorted[0]], out[sizes_sorted[-1]]
+    out["linearity"] = (big["seconds"] / int(sizes_sorted[-1])) / (small["seconds"] / int(sizes_sorted[0]))
+    return out
+
+
+def notebook_suite() -> float:
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                        "--nbval-sanitize-with", str(REPO_ROOT / "notebooks" / "sanitize.cfg"),
+                        str(REPO_ROOT / "notebooks")], cwd=REPO_ROOT, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError("notebook suite failed:\n" + p.stdout[-3000:])
+    return time.perf_counter() - t
+
+
+def gpu(schedules=("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+        steps: int = 5) -> dict | None:
+    """The tutorial preset on one GPU: world size 1, all stages on it; step time per schedule."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from .config import RunConfig
+    from .launch import run
+
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "schedules": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in schedules:
+            cfg = RunConfig(schedule=s, pp_size=1, stages_per_rank=2 if s in ("ZBVZeroBubble", "DualPipeV") else 4,
+                            n_microbatches=8, preset="tutorial", device="cuda", steps=steps)
+            r = run(cfg, runs_root=tmp, progress=False, stream="none", check=False)
+            res = r.result or {}
+            out["schedules"][s] = {"status": r.status, "reference_match": res.get("reference_match"),
+                                   "max_abs_diff": res.get("max_abs_diff"),
+                                   "median_step_s": statistics.median(res["step_time_s"][1:]) if res.get("step_time_s") else None,
+                                   "peak_memory_bytes": res.get("peak_memory_bytes")}
+    return out
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def run_all(quick: bool = False, notebooks: bool = True) -> dict:
+    import torch
+
+    say = lambda m: print(f"[bench] {m}", flush=True)
+    res: dict = {"machine": machine()["platform"], "machine_detail": machine(), "torch": torch.__version__,
+                 "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick}
+    say("launch overhead")
+    lo = launch_overhead(n=1 if quick else 7)
+    res["launch_overhead_ratio"], res["launch_overhead"] = lo["ratio"], lo
+    say("capture and profiler overhead")
+    co = capture_overhead(n=1 if quick else 3, steps=4 if quick else 10, preset="tiny" if quick else "small")
+    res["capture_overhead_ratio"], res["profiler_overhead_ratio"] = co["capture"]["ratio"], co["profiler"]["ratio"]
+    res["capture_overhead"] = co
+    say("fidelity")
+    res["fidelity"] = fidelity(shapes=((2, 4),) if quick else ((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)),
+                               fwd_ms=20 if quick else 30, bwd_ms=40 if quick else 60)
+    say("parser throughput")
+    pt = parser_throughput((1_000, 10_000) if quick else (10_000, 100_000, 1_000_000))
+    res["parser_linearity"] = pt.pop("linearity")
+    res["parser_lines_per_s"] = {k: v["lines_per_s"] for k, v in pt.items()}
+    res["parser_detail"] = pt
+    if notebooks and not quick:
+        say("notebook suite under nbval")
+        res["notebook_suite_s"] = notebook_suite()
+    else:
+        res["notebook_suite_s"] = None
+    say("gpu")
+    g = gpu() if not quick else None
+    res["gpu"] = g if g is not None else {"available": False, "reason": "no CUDA device on this machine"}
+    return res
+
+
+def markdown(res: dict) -> str:
+    f = res["fidelity"]
+    worst = max(abs(r["measured_bubble"] - r["ideal_bubble"]) for r in f) if f else float("nan")
+    lines = [
+        "# PP Lab benchmark results", "",
+        f"Machine: {res['machine']} ({res['machine_detail']['cpus']} CPUs), torch {res['torch']}, {res['date']}.",
+        "Every figure is a ratio or fraction measured within this run (A/B interleaved pair by pair).", "",
+        "| measure | result | target | met |", "| --- | --- | --- | --- |",
+        f"| launch overhead (labkit launch / plain torchrun, whole process) | {res['launch_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['launch_overhead_ratio'] <= 1.05 else 'no'} |",
+        f"| PP log capture overhead (step time, +pp to files / none) | {res['capture_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['capture_overhead_ratio'] <= 1.05 else 'no'} |",
+        f"| profiler overhead (step time, profiler / none) | {res['profiler_overhead_ratio']:.3f}x | (reported) | - |",
+        f"| fidelity: worst abs(measured - ideal) bubble, {len(f)} shapes | {worst:.3f} | <= 0.05 | {'yes' if worst <= 0.05 else 'no'} |",
+    ]
+    for n, v in res["parser_lines_per_s"].items():
+        lines.append(f"| parser throughput at {int(n):,} lines | {v:,.0f} lines/s | >= 500k | {'yes' if v >= 5e5 else 'no'} |")
+    lines.append(f"| parser time per line, largest / smallest size | {res['parser_linearity']:.2f} | ~1 (linear) | {'yes' if res['parser_linearity'] < 1.5 else 'no'} |")
+    nb = res.get("notebook_suite_s")
+    lines.append(f"| notebook suite under nbval | {nb:.0f} s | <= 600 s | {'yes' if nb <= 600 else 'no'} |" if nb else
+                 "| notebook suite under nbval | not measured | <= 600 s | - |")
+    g = res["gpu"]
+    if g.get("available") is False:
+        lines.append(f"| GPU (tutorial preset, one GPU) | not measured: {g['reason']} | - | - |")
+    else:
+        for s, v in g["schedules"].items():
+            lines.append(f"| GPU {g['device']}: {s} median step | {v['median_step_s']} s, match {v['reference_match']} | - | - |")
+    lines += ["", "## Fidelity (bubble fraction = idle share of wall time)", "",
+              "| schedule | pp_size | n_microbatches | measured | ideal (p-1)/(m+p-1) |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['measured_bubble']:.3f} | {r['ideal_bubble']:.3f} |" for r in f]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small, fast subset (smoke test)")
+    ap.add_argument("--no-notebooks", action="store_true")
+    ap.add_argument("--out", default=str(BENCH_DIR))
+    a = ap.parse_args(argv)
+    res = run_all(quick=a.quick, notebooks=not a.no_notebooks)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    (out / "RESULTS.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Smoke tests of the benchmark pieces (structure and sanity, never timed asserts)."""
+
+from labkit import bench
+
+
+def test_parser_throughput_structure():
+    out = bench.parser_throughput((2_000, 4_000))
+    assert set(out) == {"2000", "4000", "linearity"}
+    assert out["4000"]["lines_per_s"] > 0 and out["4000"]["actions"] > out["2000"]["actions"] > 0
+
+
+def test_launch_overhead_runs_both_commands():
+    out = bench.launch_overhead(n=1)
+    assert out["ratio"] > 0 and len(out["pair_ratios"]) == 1
+
+
+def test_fidelity_row_and_table():
+    rows = bench.fidelity(shapes=((2, 2),), schedules=("GPipe",), fwd_ms=20, bwd_ms=40)
+    assert rows[0]["ideal_bubble"] == round(1 / 3, 4) and 0 <= rows[0]["measured_bubble"] < 1
+    res = {"machine": "m", "machine_detail": {"cpus": 2}, "torch": "t", "date": "d",
+           "launch_overhead_ratio": 1.0, "capture_overhead_ratio": 1.0, "profiler_overhead_ratio": 1.2,
+           "fidelity": rows, "parser_lines_per_s": {"10000": 6e5}, "parser_linearity": 1.0,
+           "notebook_suite_s": None, "gpu": {"available": False, "reason": "none"}}
+    md = bench.markdown(res)
+    assert "| GPipe | 2 | 2 |" in md and "launch overhead" in md
