@@ -70,3 +70,12 @@ def tree(run_dir: str | os.PathLike, max_depth: int = 5) -> str:
 def facts(run) -> dict:
     """Deterministic facts of a Run (no paths, times or pids): safe to print in a tested cell."""
     return run.summary()
+
+
+def pick_preset(pp_size: int = 2, cpu: str = "tiny") -> str:
+    """The model preset for a lab cell: the tutorial's sizes when every rank gets its own GPU
+    (nccl, `--device auto` picks cuda), else a small CPU preset (a step well under a second)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "tutorial" if gpus >= pp_size else cpu
