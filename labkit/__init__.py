@@ -7,6 +7,7 @@
 
 from .config import PRESETS, SCHEDULES, ConfigError, RunConfig
 from .launch import LaunchError, Run, launch, run
+from .explorer import explorer
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "launch", "run"]

@@ -284,6 +284,11 @@ def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | N
 
 def validate_microbatches(info: ScheduleInfo, pp_size: int, n_stages: int, n_microbatches: int) -> None:
     """Microbatch counts torch's schedules refuse, explained before anything starts."""
+    if info.name == "1F1B" and n_microbatches < n_stages:
+        raise ConfigError(
+            f"1F1B needs at least as many microbatches as stages ({n_stages}), got {n_microbatches}: with fewer "
+            f"it cannot reach its steady state (torch refuses it). Use --microbatches {n_stages} or more, or GPipe."
+        )
     if info.v_shaped and n_microbatches < n_stages:
         raise ConfigError(
             f"{info.name} needs at least as many microbatches as stages ({n_stages}), got "

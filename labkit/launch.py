@@ -568,7 +568,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     _finish(run, started)
     bar.close(run.status)
     if streamer.pp_lines and stream == "output":
-        print(f"[labkit] {streamer.pp_lines} pipelining log lines saved in the rank logs (stream='all' shows them)", flush=True)
+        streamer.echo(f"[labkit] {streamer.pp_lines} pipelining log lines saved in the rank logs (stream='all' shows them)")
     if run.status != "ok" and check and run.status != "interrupted":
         raise LaunchError(_error_message(run, run.error or "the job failed"), run)
     return run

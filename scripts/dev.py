@@ -14,6 +14,7 @@ This file uses only the standard library: it must run before anything is install
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -63,8 +64,39 @@ def lab(argv: list[str]) -> int:
     os.execv(args[0], args)  # JupyterLab takes over this terminal; Ctrl-C stops it
 
 
+def ensure_browser() -> None:
+    """Chromium (Debian's package, via apt-get as root) and Playwright's Python package, for
+    tests/test_browser.py. Never fails: without them that test skips and says why. Playwright's own
+    browser download (`playwright install`) is not used: it fails where only package registries are
+    reachable, and the test drives the system chromium instead."""
+    found = shutil.which("chromium")
+    if found:
+        print(f"browser test: chromium found at {found}", flush=True)
+    elif os.name == "posix" and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("browser test: chromium is missing; installing it with apt-get", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        try:
+            sh("apt-get", "update", "-q", env=env)
+            sh("apt-get", "install", "-y", "-q", "chromium", env=env)
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"browser test: could not install chromium ({e}); tests/test_browser.py will be skipped", flush=True)
+    else:
+        print("browser test: chromium is missing and apt-get cannot be used here (needs root on Debian/Ubuntu); "
+              "tests/test_browser.py will be skipped. Install chromium to run it.", flush=True)
+    have = subprocess.run([str(vpython()), "-c", "import playwright"], capture_output=True).returncode == 0
+    if have:
+        print("browser test: playwright already installed", flush=True)
+        return
+    print("browser test: installing playwright (Python package only; the browser is the system chromium)", flush=True)
+    try:
+        sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", "-q", "playwright")
+    except (subprocess.CalledProcessError, OSError) as e:
+        print(f"browser test: could not install playwright ({e}); tests/test_browser.py will be skipped", flush=True)
+
+
 def test(argv: list[str]) -> int:
     setup()
+    ensure_browser()
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     cmd = [str(vpython()), "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--nbval-cell-timeout", "600",
            "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"),

@@ -65,3 +65,8 @@ def test_script_args_round_trip():
 
     cfg = RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, split="tracer", steps=2)
     assert parse_and_build(cfg.script_args(), world_size=2) == cfg
+
+
+def test_1f1b_needs_as_many_microbatches_as_stages():
+    with pytest.raises(ConfigError, match="1F1B needs at least as many microbatches"):
+        RunConfig(schedule="1F1B", pp_size=4, n_microbatches=2)
