@@ -134,6 +134,12 @@ def _stop_server(server: subprocess.Popen) -> None:
         server.wait(5)
 
 
+def _painted(page) -> None:
+    """Let the page paint what the DOM holds (headless Chromium can keep showing an older frame)."""
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.wait_for_timeout(300)
+
+
 def test_explorer_in_jupyterlab(tmp_path):
     reason = _requirements()
     if reason:
@@ -180,6 +186,7 @@ def test_explorer_in_jupyterlab(tmp_path):
                 expect(panel.locator(".pplab-stop")).to_be_disabled()
                 expect(panel.locator("img.pplab-timeline")).to_be_hidden()
                 expect(panel.locator(".pplab-error")).to_be_hidden()
+                _painted(page)
                 page.screenshot(path=str(ARTIFACTS / "01-displayed.png"))
 
                 # An invalid combination is explained and Run is disabled.
@@ -200,6 +207,7 @@ def test_explorer_in_jupyterlab(tmp_path):
                 expect(panel.locator(".pplab-error")).to_be_hidden()
                 expect(panel.locator(".pplab-run")).to_be_enabled()
                 assert panel.locator("img.pplab-theory-image").get_attribute("src") != before
+                _painted(page)
                 page.screenshot(path=str(ARTIFACTS / "02-controls-changed.png"))
 
                 panel.locator(".pplab-run").click()
@@ -220,6 +228,7 @@ def test_explorer_in_jupyterlab(tmp_path):
                 box = timeline.bounding_box()
                 assert box and box["width"] > 300 and box["height"] > 150, box
                 timeline.scroll_into_view_if_needed()
+                _painted(page)
                 page.screenshot(path=str(ARTIFACTS / "03-after-run.png"))
                 panel.screenshot(path=str(ARTIFACTS / "03-explorer-after-run.png"))
             finally:
