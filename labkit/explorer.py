@@ -182,8 +182,8 @@ def measured_view(run_dir, cfg: RunConfig | None = None, png: bool = True) -> di
     html, png (measured above ideal, one time scale), error (why there is no timeline, else None).
     `cfg` gives the sizes for the ideal (default: the run's config.json).
     """
-    from . import pplog  # lazily: the log parser is only needed once a job has run
-    from .theory import fit_cost, simulate
+    from .compare import Shape, fitted_ideal, load_timeline, one_step  # lazily: only once a job has run
+    from .theory import fit_cost
 
     run_dir = Path(run_dir)
     empty = {"measured": None, "ideal": None, "measured_metrics": None, "ideal_metrics": None, "cost": None,
@@ -191,16 +191,14 @@ def measured_view(run_dir, cfg: RunConfig | None = None, png: bool = True) -> di
     try:
         if cfg is None:
             cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-        try:  # recv waits shown as idle time (the bubble), not folded into the compute after them
-            measured = pplog.timeline_from_path(run_dir, waits="split")
-        except TypeError:  # a pplog without the `waits` option
-            measured = pplog.timeline_from_path(run_dir)
+        # waits shown as idle time (the bubble), not folded into the compute after them
+        measured = one_step(load_timeline(run_dir))
         measured.meta.setdefault("pp_size", cfg.pp_size)
         measured.meta.setdefault("n_microbatches", cfg.n_microbatches)
         if not measured.meta.get("schedule"):
             measured.meta["schedule"] = cfg.schedule
         cost = fit_cost(measured)
-        ideal = simulate(cfg.schedule, cfg.pp_size, cfg.n_microbatches, cfg.stages_per_rank, cost)
+        ideal = fitted_ideal(measured, Shape(cfg.schedule, cfg.pp_size, cfg.n_microbatches, cfg.stages_per_rank))
     except Exception as e:  # no logs, a parser that cannot read them, a timeline without compute
         msg = f"{type(e).__name__}: {e}"
         return {**empty, "error": msg, "html": f"<b>No measured timeline:</b> {html.escape(msg)}"}
@@ -218,11 +216,8 @@ def measured_view(run_dir, cfg: RunConfig | None = None, png: bool = True) -> di
         f"<b>{im['bubble_fraction']:.1%}</b>, bubble_ratio <b>{im['bubble_ratio']:.2f}</b>, "
         f"makespan {im['makespan'] * 1e3:.1f} ms.",
     ]
-    if measured.meta.get("waits") != "split":
-        lines.append("Time spent waiting for a neighbour's data is counted inside the compute that follows it "
-                     "here, so the measured bubble is a lower bound.")
-    if steps > 1:
-        lines.append("The measured timeline holds every step; the ideal is one step.")
+    lines.append("Waits for a neighbour's tensor are taken out of the logged spans (labkit.compare.load_timeline); "
+                 "run with profile=True for exact compute spans.")
     view = {"measured": measured, "ideal": ideal, "measured_metrics": mm, "ideal_metrics": im, "cost": cost,
             "error": None, "html": "<br>".join(lines), "png": None}
     if png:

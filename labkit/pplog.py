@@ -24,15 +24,19 @@ What the messages mean (torch 2.11-2.14; the wording has been stable, line numbe
 | `[Stage <s>] Backwarded chunk <i>` | every stage's backward (B, and I) | END of the backward compute |
 | `Using <ScheduleClass>` | schedule constructor | (no action) |
 | `Rank determined inference_mode=...` | first step's stage set-up | (no action) |
-| `batch_p2p ...`, `Sending tensor ...` | p2p | (no action) |
+| `[Stage <s>] Sending tensor|gradient to Stage <d>` | a stage building its send | when the neighbour's input left (`waits="split"`) |
+| `batch_p2p ...`, `Grad send info ...` | p2p details | (nothing) |
 
-W (backward for weights) has no line of its own; GPipe even logs `Backwarded microbatch` lines when
-no backward ran (loss_fn=None), which the timeline drops. Taught in notebook 04 (reading the logs)
-and 05 (measured vs theory timelines).
+W (backward for weights) has no line of its own, so only the runtime's START lines time it. GPipe
+even logs `Backwarded microbatch` lines when no backward ran (loss_fn=None); the timeline drops them.
+`to_timeline` says how intervals are built from these marks. Taught in notebooks 04-06 (measured
+timelines, and how they compare with theory).
 """
 
 from __future__ import annotations
 
+import bisect
+import gc
 import gzip
 import io
 import operator
@@ -72,6 +76,13 @@ _TRACE_RE = re.compile(r"\[\d+/\d+[^\]\s]*\] ?(?:\[__\w+\] ?)?|\[__\w+\] ?")
 _RECORD_START_RE = re.compile(r"(?:\[[\w:.-]{1,40}\]:? ?)*(?:\d{9,11}\.\d|[VDIWEC]\d{4} |\d{4}-\d\d-\d\d|"
                               r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ])")
 _KIT_NAME = "torch.distributed.pipelining"
+
+
+def _strip_trace(msg: str) -> str:
+    m = _TRACE_RE.match(msg)
+    return msg[m.end():] if m else msg
+
+
 _GLOG_LEVELS = {"V": "D", "D": "D", "I": "I", "W": "W", "E": "E", "C": "C"}  # glog V(erbose) = DEBUG
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +91,7 @@ _GLOG_LEVELS = {"V": "D", "D": "D", "I": "I", "W": "W", "E": "E", "C": "C"}  # g
 _RUN_PREFIX = "_PipelineScheduleRuntime running time_step "
 _RUNTIME_RE = re.compile(r"running time_step (\d+), action (\S+)")
 _DONE_RE = re.compile(r"\[(Stage )?(\d+)\] (Forwarded|Backwarded)(?: (input|weight))? (chunk|microbatch) (\d+)(?:\D|$)")
+_SENDING_RE = re.compile(r"\[Stage (\d+)\] Sending (?:zero )?(tensor|gradient) to Stage \d+")
 _ACTION_RE = re.compile(r"(\d+)([A-Z][A-Z_]*?)(\d*)$")
 _OVERLAP_RE = re.compile(r"\((.*)\)([A-Z][A-Z_]*)$")
 
@@ -97,7 +109,8 @@ class Event(NamedTuple):
     `kind`: F, B, I, W, SEND, RECV for work; UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP_F_B (with
     `sub`, its (kind, stage, microbatch) parts) for other runtime actions; SCHEDULE (`Using ...`,
     the class name in `action`); INIT (`Rank determined inference_mode`); None for anything else
-    (p2p details, errors). `mark`: START ("running ... action", printed BEFORE the work), END (a
+    (p2p details, errors); P2P (`[Stage s] Sending tensor|gradient to Stage d`, `action` SEND_F or
+    SEND_B, stage = the sender; the microbatch is the one the stage just finished). `mark`: START ("running ... action", printed BEFORE the work), END (a
     completion line), or None. `origin`: "runtime" (running time_step), "schedule" (GPipe's
     `[s] Forwarded microbatch i`), "stage" (`[Stage s] Forwarded chunk i`), or None. A completion
     line says "Backwarded" for both B and I: its kind is B. `time_step` numbers the runtime's
@@ -182,6 +195,10 @@ def decode_message(msg: str) -> tuple:
             kind = "F" if word == "Forwarded" else {"input": "I", "weight": "W"}.get(part, "B")
             origin = "stage" if (m.group(1) or m.group(5) == "chunk") else "schedule"
             return (kind, int(m.group(2)), int(m.group(6)), END, origin, None, None, ())
+        m = _SENDING_RE.match(msg)
+        if m:  # a stage builds its send: the data a neighbour waits for leaves now
+            return ("P2P", int(m.group(1)), None, None, "stage", None,
+                    "SEND_F" if m.group(2) == "tensor" else "SEND_B", ())
         return _NOTHING
     if "running time_step" in msg:  # another wording of the runtime line
         m = _RUNTIME_RE.search(msg)
@@ -203,13 +220,16 @@ def decode_message(msg: str) -> tuple:
 class _Parser:
     """Line-by-line state: the rank, the date of default-format stamps, continuation lines."""
 
-    def __init__(self, rank: int | None, year: int | None):
+    def __init__(self, rank: int | None, year: int | None, meaning_only: bool = False):
         self.rank = rank
+        self.meaning_only = meaning_only
         self.year = year if year is not None else datetime.now().year
         self.last_md = ""
+        self.rolled = False
         self.clock: dict[str, float] = {}  # "MMDDHH:MM:SS" -> epoch seconds
         self.prefix_rank: dict[str, int | None] = {}
         self.messages: dict[str, tuple] = {}  # message -> decoded (logs repeat their messages)
+        self.sources: dict[str, str] = {}  # "torch/.../schedules.py:2614]" -> "schedules.py:2614"
 
     def _rank(self, prefix: str) -> int | None:
         r = self.prefix_rank.get(prefix, -1)
@@ -227,29 +247,45 @@ class _Parser:
 
     def _seconds(self, mmdd: str, hms: str) -> float | None:
         """Epoch seconds of a year-less `MMDD HH:MM:SS` stamp (local time)."""
-        if mmdd < self.last_md and self.last_md[:2] == "12" and mmdd[:2] == "01":
-            self.year += 1  # the log ran past new year's eve
-            self.clock.clear()
-        self.last_md = mmdd
+        year = self.year
+        if self.rolled and mmdd[:2] == "12":
+            year -= 1  # an interleaved stream can show a rank's last December lines after another's January
+        elif mmdd[:2] == "01" and self.last_md[:2] == "12":
+            self.year = year = year + 1  # the log ran past new year's eve
+            self.rolled = True
+            self.last_md = mmdd
+        elif mmdd > self.last_md:
+            self.last_md = mmdd
         try:
             mo, d, h, mi, s = int(mmdd[:2]), int(mmdd[2:]), int(hms[:2]), int(hms[3:5]), int(hms[6:8])
-            try:
-                day = datetime(self.year, mo, d)
+            try:  # the whole stamp, not midnight + seconds: right across daylight-saving changes
+                return datetime(year, mo, d, h, mi, s).timestamp()
             except ValueError:  # 0229 outside a leap year: the file is from an earlier year
-                day = datetime(self.year - 1, mo, d)
-            return day.timestamp() + h * 3600 + mi * 60 + s
+                return datetime(year - 1, mo, d, h, mi, s).timestamp()
         except ValueError:
             return None
 
     def parse(self, lines: Iterable[str]) -> list[Event]:
+        # Millions of small tuples would trigger the cyclic GC over and over (none of them can be
+        # part of a cycle): pause it while parsing.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._parse(lines)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _parse(self, lines: Iterable[str]) -> list[Event]:
         events: list[Event] = []
         append = events.append
         new = _new_event
-        messages, clock, prefix_match = self.messages, self.clock, _PREFIX_RE.match
+        messages, clock, ranks, sources = self.messages, self.clock, self.prefix_rank, self.sources
+        levels = _GLOG_LEVELS
         cont = -1  # index in `events` of the record that continuation lines belong to (kit format)
         prev_raw = last_raw = ""
         last_is_event = False
-        rank0 = self.rank
+        rank0, meaning_only = self.rank, self.meaning_only
         n = 0
         for n, raw in enumerate(lines, 1):
             prev_raw = last_raw
@@ -259,69 +295,69 @@ class _Parser:
                 if cont >= 0:
                     cont = self._continue(events, cont, raw)
                 continue
-            line = raw.rstrip("\r\n")
-            rank = rank0
-            if line[:1] == "[":
-                m = prefix_match(line)
-                if m is not None:
-                    rank = self._rank(m.group(0))
-                    line = line[m.end():]
-            c = line[:1]
+            p = raw.rstrip("\r\n").split(" ", 4)
             ev = None
-            if "0" <= c <= "9":
-                # labkit: "1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:123] msg"
-                p = line.split(" ", 4)
-                if len(p) == 5 and p[2].startswith(_KIT_NAME) and p[3][-1:] == "]" and len(p[1]) == 1:
+            if len(p) == 5:
+                tok = p[0]
+                if tok[-5:-4] in levels and tok[-4:].isdigit() and p[2].isdigit() and p[3][-1:] == "]":
+                    # torch default: "[rank0]:V1122 01:49:18.636000 7438 torch/.../schedules.py:2614] msg"
+                    msg = p[4]
+                    if msg[:1] == "[" and ("/" in msg[:12] or msg[:3] == "[__"):
+                        msg = _strip_trace(msg)
+                    d = messages.get(msg)
+                    if d is None:
+                        d = self._decode(msg)
+                    if d is _NOTHING and meaning_only:
+                        last_is_event = False
+                        cont = -1
+                        continue
+                    pre = tok[:-5]
+                    rank = (ranks[pre] if pre in ranks else self._rank(pre)) if pre else rank0
+                    hms = p[1]
+                    key = tok[-4:] + hms[:8]
+                    t = clock.get(key)
+                    if t is None:
+                        t = self._seconds(tok[-4:], hms)
+                        clock[key] = t
+                    if t is not None and len(hms) > 8:
+                        try:
+                            t += float(hms[8:])
+                        except ValueError:
+                            t = None
+                    if t is not None:
+                        src = sources.get(p[3])
+                        if src is None:
+                            src = sources[p[3]] = p[3][p[3].rfind("/") + 1:-1]
+                        ev = new(Event, (t, rank, int(p[2]), levels[tok[-5]], msg, *d, src, n))
+                        cont = -1  # torch's formatter prefixes every line of a multi-line record itself
+                elif "0" <= tok[:1] <= "9" and len(p[1]) == 1 and p[2].startswith(_KIT_NAME) and p[3][-1:] == "]":
+                    # labkit: "1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:123] msg"
+                    msg = p[4]
+                    d = messages.get(msg)
+                    if d is None:
+                        d = self._decode(msg)
+                    if d is _NOTHING and meaning_only:
+                        last_is_event = False
+                        cont = -1
+                        continue
                     try:
-                        t = float(p[0])
+                        t = float(tok)
                     except ValueError:
                         t = None
                     if t is not None:
-                        msg = p[4]
-                        d = messages.get(msg)
-                        if d is None:
-                            d = decode_message(msg)
-                            if len(messages) < 200_000:
-                                messages[msg] = d
-                        ev = new(Event, (t, rank, None, p[1], msg, *d, p[3][:-1], n))
-                if ev is None:
-                    ev = self._generic(line, rank, n)
-                cont = len(events) if ev is not None else -1
-            elif c in _GLOG_LEVELS:
-                # torch default: "V1122 01:49:18.636000 7438 torch/distributed/pipelining/schedules.py:2614] msg"
-                p = line.split(" ", 4)
-                if len(p) == 5 and len(p[0]) == 5 and p[3][-1:] == "]" and p[2].isdigit():
-                    hms = p[1]
-                    key = p[0][1:] + hms[:8]
-                    t = clock.get(key)
-                    if t is None:
-                        t = self._seconds(p[0][1:], hms)
-                        if t is not None:
-                            clock[key] = t
-                    if t is not None:
-                        if len(hms) > 8:
-                            try:
-                                t += float(hms[8:])
-                            except ValueError:
-                                t = None
-                    if t is not None:
-                        msg = p[4]
-                        if msg[:1] == "[" and "/" in msg[:12] or msg[:3] == "[__":
-                            msg = _TRACE_RE.sub("", msg, count=1) if _TRACE_RE.match(msg) else msg
-                        d = messages.get(msg)
-                        if d is None:
-                            d = decode_message(msg)
-                            if len(messages) < 200_000:
-                                messages[msg] = d
-                        src = p[3][:-1]
-                        ev = new(Event, (t, rank, int(p[2]), _GLOG_LEVELS[c], msg, *d,
-                                         src[src.rfind("/") + 1:], n))
-                cont = -1  # torch's formatter prefixes every line of a multi-line record itself
+                        ev = new(Event, (t, rank0, None, p[1], msg, *d, p[3][:-1], n))
+                        cont = len(events)
             if ev is None:
-                last_is_event = False
-                if cont >= 0:
-                    cont = self._continue(events, cont, raw)
-                continue
+                # Prefixes with spaces (`[rank0:err] `), other TORCH_LOGS_FORMATs, short lines.
+                ev, kit = self._slow(raw.rstrip("\r\n"), n)
+                if ev is not None and meaning_only and ev.kind is None and ev.mark is None:
+                    ev, kit = None, False
+                if ev is None:
+                    last_is_event = False
+                    if cont >= 0:
+                        cont = self._continue(events, cont, raw)
+                    continue
+                cont = len(events) if kit else -1
             append(ev)
             last_is_event = True
         # A last line without its newline (when the others have one) was cut mid-write: its numbers
@@ -335,10 +371,37 @@ class _Parser:
             events = [e._replace(rank=by_pid[e.pid]) if e.rank is None and e.pid in by_pid else e for e in events]
         return events
 
-    def _generic(self, line: str, rank: int | None, n: int) -> Event | None:
+    def _decode(self, msg: str) -> tuple:
+        d = decode_message(msg)
+        if len(self.messages) < 200_000:
+            self.messages[msg] = d
+        return d
+
+    def _slow(self, line: str, n: int) -> tuple[Event | None, bool]:
+        """The careful path for what the hot loop does not take: (event or None, kit-like format)."""
+        rank = self.rank
+        m = _PREFIX_RE.match(line)
+        if m is not None:
+            rank = self._rank(m.group(0))
+            line = line[m.end():]
+        p = line.split(" ", 4)
+        if len(p) == 5 and len(p[0]) == 5 and p[0][0] in _GLOG_LEVELS and p[0][1:].isdigit() and p[2].isdigit() \
+                and p[3][-1:] == "]":
+            t = self._seconds(p[0][1:], p[1])
+            if t is not None and len(p[1]) > 8:
+                try:
+                    t += float(p[1][8:])
+                except ValueError:
+                    t = None
+            if t is None:
+                return None, False
+            msg = _strip_trace(p[4]) if p[4][:1] == "[" else p[4]
+            src = p[3][:-1]
+            return Event(t, rank, int(p[2]), _GLOG_LEVELS[p[0][0]], msg, *decode_message(msg),
+                         src[src.rfind("/") + 1:], n), False
         m = _GENERIC_RE.match(line)
         if m is None:
-            return None
+            return None, False
         t, mid, _name, fname, lno, msg = m.groups()
         pid, lvl = None, "?"
         for tok in mid.split():
@@ -346,7 +409,8 @@ class _Parser:
                 pid = int(tok)
             elif tok.isalpha():
                 lvl = tok[0].upper()
-        return Event(float(t), rank, pid, lvl, msg, *decode_message(msg), f"{fname}:{lno}" if fname else "", n)
+        ev = Event(float(t), rank, pid, lvl, msg, *decode_message(msg), f"{fname}:{lno}" if fname else "", n)
+        return ev, True
 
     @staticmethod
     def _continue(events: list[Event], i: int, raw: str) -> int:
@@ -358,17 +422,20 @@ class _Parser:
         return i
 
 
-def parse_lines(lines: Iterable[str] | str, rank: int | None = None, year: int | None = None) -> list[Event]:
+def parse_lines(lines: Iterable[str] | str, rank: int | None = None, year: int | None = None,
+                meaning_only: bool = False) -> list[Event]:
     """Events of the pipelining lines among `lines` (other lines are skipped).
 
     `lines`: an iterable of lines (an open file, a list) or one string. Pass lines WITH their
     newlines (as a file yields them) to have a cut last line recognised. `rank`: the rank of lines
     that carry no `[rankN]:` prefix (kit format, one file per rank). `year`: the year of the
     default format's MMDD stamps (default: this year; times are only compared with each other).
+    `meaning_only`: keep only records that mean something to a timeline (actions, completions, the
+    schedule's set-up), skipping p2p details: about 40% fewer events, what `timeline_from_path` uses.
     """
     if isinstance(lines, str):
         lines = io.StringIO(lines)
-    return _Parser(rank, year).parse(lines)
+    return _Parser(rank, year, meaning_only).parse(lines)
 
 
 _RANK_DIR_RE = re.compile(r"(?:^|[/\\])(\d+)[/\\][^/\\]+$")
@@ -391,17 +458,19 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8", errors="replace", newline="")
 
 
-def parse_files(paths: Iterable[str | os.PathLike] | str | os.PathLike, year: int | None = None) -> list[Event]:
+def parse_files(paths: Iterable[str | os.PathLike] | str | os.PathLike, year: int | None = None,
+                meaning_only: bool = False) -> list[Event]:
     """Events of several log files (plain or .gz), in file order. Each file's rank comes from its
     path (`.../attempt_N/<rank>/stderr.log`) unless its lines carry `[rankN]:`. `year` defaults to
-    each file's modification year (for the default format's year-less stamps)."""
+    each file's modification year (for the default format's year-less stamps); `meaning_only` as
+    in `parse_lines`."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     events: list[Event] = []
     for p in map(Path, paths):
         y = year if year is not None else datetime.fromtimestamp(p.stat().st_mtime).year
         with _open_text(p) as f:
-            events += _Parser(rank_from_path(p), y).parse(f)
+            events += _Parser(rank_from_path(p), y, meaning_only).parse(f)
     return events
 
 
@@ -424,14 +493,14 @@ def log_files(run_dir: str | os.PathLike) -> list[Path]:
                   if p.is_file() and p.name != "launcher.log")
 
 
-def parse_run_dir(run_dir: str | os.PathLike, year: int | None = None) -> list[Event]:
+def parse_run_dir(run_dir: str | os.PathLike, year: int | None = None, meaning_only: bool = False) -> list[Event]:
     """Events of a run directory made by `labkit.launch` (or a folder of captured logs)."""
     files = log_files(run_dir)
     if not files:
         raise FileNotFoundError(
             f"No logs in {run_dir}: expected torchrun's logs/<id>/attempt_0/<rank>/stderr.log (as `labkit run` "
             f"writes them) or *.log files. Was the run launched with TORCH_LOGS=+pp (labkit does that)?")
-    return parse_files(files, year)
+    return parse_files(files, year, meaning_only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,57 +526,64 @@ _BACKWARD_FAMILY = ("B", "I", "W")
 
 
 def _runtime_actions(rank: int, evs: list[Event], other: Counter, notes: list[str]) -> tuple[list[Action], int]:
-    """Runtime schedules: an action runs from its "running ... action" line to the next one."""
+    """Runtime schedules: an action runs from its "running ... action" line to the next one; a
+    step's last action (the next line restarts time_step) ends at its completion line, else at the
+    last line before the next step."""
     acts: list[Action] = []
     # Forward-only runs (loss_fn=None) still step through the planned B/I/W/SEND_B/RECV_B actions,
     # which return at once: with no "Backwarded chunk" line on the rank, they are dropped.
     ran_backward = any(e.origin == "stage" and e.kind == "B" for e in evs)
     dropped = 0
-    idx = [i for i, e in enumerate(evs) if e.origin == "runtime"]
-    # Steps: time_step restarts at 0 for each schedule.step().
-    steps: list[list[int]] = []
-    last_ts = None
-    for i in idx:
-        ts = evs[i].time_step
-        if last_ts is None or ts <= last_ts:
-            steps.append([])
-        steps[-1].append(i)
-        last_ts = ts
-    for k, step in enumerate(steps):
-        stop = steps[k + 1][0] if k + 1 < len(steps) else len(evs)  # first event of the next step
-        for j, i in enumerate(step):
-            e = evs[i]
-            if j + 1 < len(step):
-                nxt = step[j + 1]
-                end = evs[nxt].time
-            else:
-                # The step's last action: its completion line if it has one, else the step's last line.
-                nxt = stop
-                end = e.time
-                for x in evs[i + 1:stop]:
-                    end = max(end, x.time)
-                    if x.mark == END and x.stage == e.stage and x.microbatch == e.microbatch and \
-                            _same_family(x.kind, e.kind):
-                        break
-            if end < e.time:
-                end = e.time
-            kind = e.kind
-            if not ran_backward and (kind in _BACKWARD_FAMILY or (kind in ("SEND", "RECV") and "_B" in e.action)):
-                dropped += 1
-            elif e.sub:
-                subs = _split_overlap(rank, e, evs[i + 1:nxt], end)
-                if not ran_backward:
-                    dropped += sum(1 for a in subs if a.kind in _BACKWARD_FAMILY)
-                    subs = [a for a in subs if a.kind not in _BACKWARD_FAMILY]
-                acts += subs
-            elif kind in _TIMELINE_KINDS:
-                acts.append(Action(rank, e.stage, e.microbatch, kind, e.time, end))
-            else:
-                other[kind or (e.action or "?")] += 1
+    steps = 0
+    pending: Event | None = None
+    p_last = p_done = 0.0
+    p_found = False
+    inside: list[Event] | None = None  # completion lines inside an OVERLAP_F_B action
+
+    def emit(e: Event, end: float) -> None:
+        nonlocal dropped
+        if end < e.time:
+            end = e.time
+        kind = e.kind
+        if not ran_backward and (kind in _BACKWARD_FAMILY or (kind in ("SEND", "RECV") and "_B" in e.action)):
+            dropped += 1
+        elif e.sub:
+            subs = _split_overlap(rank, e, inside or [], end)
+            if not ran_backward:
+                dropped += sum(1 for a in subs if a.kind in _BACKWARD_FAMILY)
+                subs = [a for a in subs if a.kind not in _BACKWARD_FAMILY]
+            acts.extend(subs)
+        elif kind in _TIMELINE_KINDS:
+            acts.append(Action(rank, e.stage, e.microbatch, kind, e.time, end))
+        else:
+            other[kind or (e.action or "?")] += 1
+
+    for e in evs:
+        if e.origin == "runtime":
+            if pending is None:
+                steps += 1
+            elif e.time_step > pending.time_step:
+                emit(pending, e.time)
+            else:  # time_step restarted: a new schedule.step()
+                emit(pending, p_done if p_found else p_last)
+                steps += 1
+            pending, p_last, p_found = e, e.time, False
+            inside = [] if e.sub else None
+        elif pending is not None:
+            if e.time > p_last:
+                p_last = e.time
+            if e.mark == END:
+                if inside is not None:
+                    inside.append(e)
+                if not p_found and e.stage == pending.stage and e.microbatch == pending.microbatch and \
+                        _same_family(e.kind, pending.kind):
+                    p_done, p_found = e.time, True
+    if pending is not None:
+        emit(pending, p_done if p_found else p_last)
     if dropped:
         notes.append(f"rank {rank}: {dropped} backward actions (B/I/W/SEND_B/RECV_B) ran without any backward "
                      f"(forward-only run) and were dropped")
-    return acts, len(steps)
+    return acts, steps
 
 
 def _same_family(done_kind: str | None, kind: str | None) -> bool:
@@ -562,30 +638,101 @@ def _completion_actions(rank: int, evs: list[Event], meta_notes: list[str]) -> t
     return acts, steps
 
 
-def to_timeline(events: list[Event], source: str = "measured") -> Timeline:
+def _send_times(by_rank: dict[int, list[Event]]) -> dict[tuple, list[float]]:
+    """{("F" | "B", receiving stage, microbatch): [times its input was sent]} from the
+    `Sending tensor|gradient` lines. The microbatch is the runtime SEND action's, or (single-stage
+    schedules) the one the sending stage finished last."""
+    sent: dict[tuple, list[float]] = defaultdict(list)
+    for evs in by_rank.values():
+        last: dict[tuple, int] = {}
+        cur: Event | None = None
+        for e in evs:
+            if e.origin == "runtime":
+                cur = e
+            elif e.mark == END:
+                last[(e.stage, "F" if e.kind == "F" else "B")] = e.microbatch
+            elif e.kind == "P2P":
+                fam = e.action[-1]
+                if cur is not None and cur.kind == "SEND" and cur.stage == e.stage and f"SEND_{fam}" in cur.action:
+                    mb = cur.microbatch
+                else:
+                    mb = last.get((e.stage, fam))
+                if mb is not None:
+                    sent[(fam, e.stage + 1 if fam == "F" else e.stage - 1, mb)].append(e.time)
+    for ts in sent.values():
+        ts.sort()
+    return sent
+
+
+def _split_waits(acts: list[Action], sent: dict[tuple, list[float]]) -> list[Action]:
+    """Start each F / B / I no earlier than its input left the neighbouring rank."""
+    out = []
+    for a in acts:
+        if a.kind in ("F", "B", "I"):
+            ts = sent.get(("F" if a.kind == "F" else "B", a.stage, a.microbatch))
+            if ts:
+                i = bisect.bisect_right(ts, a.end) - 1  # this step's send: the last one before the work ended
+                if i >= 0 and ts[i] > a.start:
+                    a = Action(a.rank, a.stage, a.microbatch, a.kind, ts[i], a.end)
+        out.append(a)
+    return out
+
+
+def to_timeline(events: list[Event], source: str = "measured", waits: str = "fold") -> Timeline:
     """Per-rank, per-stage work intervals from parsed events.
 
     Multi-stage (runtime) schedules print `running time_step t, action a` BEFORE each action: an
     action starts at its line and ends at the next action's line on the same rank, so the rank's
     intervals tile its time; a step's last action ends at its completion line (or the step's last
     line). `(F;B)OVERLAP_F_B` is split into its sub-actions at the first one's completion line.
-    SEND and RECV actions (posting the p2p ops; the waits happen inside the next compute) are
-    kept with kind SEND / RECV; UNSHARD, RESHARD, REDUCE_GRAD are counted in `meta["other_actions"]`.
+    SEND and RECV actions only post the p2p ops and are kept with kind SEND / RECV; the wait for a
+    RECV happens at the start of the F / B / I that needs it, so it folds into that compute.
+    UNSHARD, RESHARD, REDUCE_GRAD are counted in `meta["other_actions"]`.
 
     GPipe and 1F1B print only completion lines (`Forwarded microbatch` / `Forwarded chunk`): an
     action starts at the previous completion on its rank (the first one at the `Using ...` /
     `inference_mode` set-up line), so time spent waiting for a recv folds into the compute that
     follows it, and from the second step on the first action also holds the time between steps.
 
-    Runs of several steps hold every step's actions (`meta["steps"]` says how many).
+    With the default `waits="fold"` the bubble a rank spends waiting for its neighbour is therefore
+    counted as compute (GPipe's measured bubble comes out far below (p-1)/(m+p-1)).
+
+    `waits="split"` takes the waits out of the compute: an F (B, I) whose input comes from another
+    rank starts no earlier than that rank's `Sending tensor` (`Sending gradient`) line for the same
+    microbatch, so the wait shows as idle time (the bubble). The data cannot have arrived before
+    it was sent, so this only moves starts later; it needs one clock for all ranks (one machine,
+    or well-synchronised nodes) and, in the default format, has millisecond resolution.
+
+    Forward-only runs (loss_fn=None) still log the backward actions they skip (GPipe's
+    `Backwarded microbatch`, the runtime's B/I/W/SEND_B/RECV_B): on a rank with no
+    `Backwarded chunk` line at all they are dropped, and `meta["notes"]` says so.
+
+    Runs of several steps hold every step's actions (`meta["steps"]` says how many). `meta` also
+    holds the schedule class, the timing rule used per rank ("runtime" or "completion") and the
+    other runtime actions seen. Times are seconds as logged (epoch; local time for the default
+    format): `Timeline.shifted()` makes them start at 0.
     """
+    if waits not in ("fold", "split"):
+        raise ValueError(f"waits must be 'fold' (recv waits inside the compute) or 'split' (waits shown "
+                         f"as idle time), got {waits!r}.")
+    enabled = gc.isenabled()
+    gc.disable()  # see _Parser.parse
+    try:
+        return _to_timeline(events, source, waits)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _to_timeline(events: list[Event], source: str, waits: str) -> Timeline:
     notes: list[str] = []
     other: Counter = Counter()
     acts: list[Action] = []
     timing: dict[str, str] = {}
     steps: dict[str, int] = {}
     schedule = None
-    for rank, evs in sorted(_by_rank(events).items()):
+    by_rank = _by_rank(events)
+    for rank, evs in sorted(by_rank.items()):
         schedule = schedule or next((e.action for e in evs if e.kind == "SCHEDULE"), None)
         if any(e.origin == "runtime" for e in evs):
             a, n = _runtime_actions(rank, evs, other, notes)
@@ -595,15 +742,19 @@ def to_timeline(events: list[Event], source: str = "measured") -> Timeline:
             timing[str(rank)] = "completion"
         steps[str(rank)] = n
         acts += a
-    acts.sort(key=lambda a: (a.rank, a.start, a.end))
-    meta = {"schedule": schedule, "timing": timing, "steps": max(steps.values(), default=0),
+    # Each rank's actions are already in time order, and ranks come in order.
+    if waits == "split":
+        acts = _split_waits(acts, _send_times(by_rank))
+    meta = {"schedule": schedule, "timing": timing, "waits": waits, "steps": max(steps.values(), default=0),
             "steps_per_rank": steps, "other_actions": dict(other), "notes": notes,
             "n_events": len(events)}
     return Timeline(acts, source=source, meta=meta)
 
 
-def timeline_from_path(paths: str | os.PathLike | Iterable[str | os.PathLike], year: int | None = None) -> Timeline:
-    """A measured Timeline from a run directory, or from one or more log files (either format)."""
+def timeline_from_path(paths: str | os.PathLike | Iterable[str | os.PathLike], year: int | None = None,
+                       waits: str = "fold") -> Timeline:
+    """A measured Timeline from a run directory, or from one or more log files (either format);
+    `waits` as in `to_timeline`."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[Path] = []
@@ -618,7 +769,7 @@ def timeline_from_path(paths: str | os.PathLike | Iterable[str | os.PathLike], y
         else:
             raise FileNotFoundError(f"{p} does not exist: pass a run directory or log files.")
     t0 = _time.perf_counter()
-    tl = to_timeline(parse_files(files, year))
+    tl = to_timeline(parse_files(files, year, meaning_only=True), waits=waits)
     tl.meta["files"] = [str(f) for f in files]
     tl.meta["parse_s"] = _time.perf_counter() - t0
     return tl

@@ -13,14 +13,16 @@ Bubble, two definitions (always say which one a number is):
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND", "RECV")
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
+    """One piece of work (a NamedTuple: the parser makes millions, and tuples are cheap to build)."""
+
     rank: int
     stage: int
     microbatch: int
@@ -110,8 +112,8 @@ class Timeline:
         """`actions`: compute only (F/B/I/W); `comms`: SEND/RECV where the logs show them; times from
         the first action, in seconds for measured timelines."""
         t = self.shifted()
-        return {"actions": [asdict(a) for a in t.actions if a.kind in COMPUTE_KINDS],
-                "comms": [asdict(a) for a in t.actions if a.kind not in COMPUTE_KINDS],
+        return {"actions": [a._asdict() for a in t.actions if a.kind in COMPUTE_KINDS],
+                "comms": [a._asdict() for a in t.actions if a.kind not in COMPUTE_KINDS],
                 "metrics": t.metrics(), "source": self.source, "meta": self.meta}
 
 
