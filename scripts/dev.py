@@ -3,7 +3,8 @@
 
     python3 scripts/dev.py lab        # create .venv, install torch + the kit, start JupyterLab on notebooks/
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks)
-    python3 scripts/dev.py handouts   # HTML handouts of the executed notebooks, figures embedded
+    python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
+    python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
 
 Torch: an existing torch >= 2.8 in .venv is kept (install a CUDA build there first on GPU nodes);
@@ -109,26 +110,44 @@ def test(argv: list[str]) -> int:
 
 
 def handouts(argv: list[str]) -> int:
+    """HTML handouts of the executed notebooks (figures embedded), and PDFs printed by Chromium when present.
+
+    `--execute` runs the notebooks again first (the committed outputs are used otherwise)."""
     setup()
-    sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", "-q", "nbconvert")
     out = ROOT / "handouts"
     out.mkdir(exist_ok=True)
     notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    sh(vpython(), "-m", "jupyter", "nbconvert", "--to", "html", "--embed-images", "--output-dir", out,
-       *notebooks, *argv)
+    extra = ["--execute", "--ExecutePreprocessor.timeout=600"] if "--execute" in argv else []
+    sh(vpython(), "-m", "jupyter", "nbconvert", "--to", "html", "--embed-images", *extra, "--output-dir", out,
+       *notebooks, cwd=ROOT / "notebooks")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        print("PDF handouts skipped: no chromium found (apt-get install chromium); the HTML handouts are complete.")
+    else:
+        for html in sorted(out.glob("[0-9][0-9]_*.html")):
+            pdf = html.with_suffix(".pdf")
+            sh(chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--no-pdf-header-footer", f"--print-to-pdf={pdf}", html.as_uri(),
+               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"handouts written to {out}")
     return 0
 
 
+def bench(argv: list[str]) -> int:
+    """The benchmarks: bench/results.json and bench/RESULTS.md (see labkit/bench.py)."""
+    setup()
+    return subprocess.run([str(vpython()), "-m", "labkit.bench", *argv], cwd=ROOT).returncode
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("lab", "test", "setup", "handouts"):
+    if not argv or argv[0] not in ("lab", "test", "setup", "handouts", "bench"):
         print(__doc__)
         return 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "setup":
         setup()
         return 0
-    return {"lab": lab, "test": test, "handouts": handouts}[cmd](rest)
+    return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
 
 
 if __name__ == "__main__":
