@@ -77,7 +77,9 @@ def test_cli_run_contract(tmp_path, runs):
     for f in ("command.json", "command.txt", "config.json", "launcher.log", "run.json"):
         assert (out / f).exists(), f
     assert sorted(p.parent.name for p in out.glob("logs/*/attempt_0/*/stderr.log")) == ["0", "1"]
-    assert "--standalone" in (out / "command.txt").read_text() and "29500" not in (out / "command.txt").read_text()
+    cmd = (out / "command.txt").read_text()
+    # an OS-chosen port on loopback (port 0), never a fixed 29500
+    assert "--rdzv-backend labkit-loopback --rdzv-endpoint 127.0.0.1:0" in cmd and "29500" not in cmd
 
 
 def test_cli_run_bad_input_fails_fast(runs):
