@@ -75,13 +75,18 @@ def clean(all_jobs: bool = False, grace: float = 3.0) -> list[KitProcess]:
         except psutil.Error:
             continue
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
+    kill_all(alive, grace)
+    return targets
+
+
+def kill_all(procs: list, grace: float = 3.0) -> None:
+    """SIGKILL each process that is still there, and reap what we can."""
+    for p in procs:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=grace)
-    return targets
+    psutil.wait_procs(procs, timeout=grace)
 
 
 def describe(ended: list[KitProcess]) -> str:

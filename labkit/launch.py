@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .config import ConfigError, RunConfig
 from .progress import Progress, in_notebook
-from .clean import OWNER_VAR, RUN_DIR_VAR, clean, describe, owner_token
+from .clean import OWNER_VAR, RUN_DIR_VAR, clean, describe, kill_all, owner_token
 from .rendezvous import BACKEND_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -318,12 +318,7 @@ def _stop(proc: subprocess.Popen, known: dict, grace: float = 5.0, dump_stacks: 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for w in workers:
-        try:
-            w.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(workers, timeout=grace)
+    kill_all(workers, grace)
 
 
 def _rank_errors(run_dir: Path) -> dict[int, dict]:
