@@ -60,7 +60,11 @@ def setup(extras: str = "lab,test") -> None:
 def lab(argv: list[str]) -> int:
     setup()
     sh(vpython(), "-m", "labkit", "doctor")
-    args = [str(vpython()), "-m", "jupyterlab", "--notebook-dir", str(ROOT / "notebooks"), "--ip", "127.0.0.1", *argv]
+    (ROOT / "notebooks").mkdir(exist_ok=True)
+    args = [str(vpython()), "-m", "jupyterlab", "--notebook-dir", str(ROOT / "notebooks"), "--ip", "127.0.0.1"]
+    if os.name == "posix" and os.geteuid() == 0:
+        args.append("--allow-root")  # containers and workshop VMs often run as root; Jupyter refuses without it
+    args += argv
     print("+ " + " ".join(args), flush=True)
     os.execv(args[0], args)  # JupyterLab takes over this terminal; Ctrl-C stops it
 
