@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import sys
@@ -11,12 +10,14 @@ MIN_TORCH = (2, 8)
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "matplotlib", "nbval", "psutil", "numpy")
 
 
-def _version(mod: str) -> str | None:
+def _version(dist: str) -> str | None:
+    """The installed version from package metadata (importing jupyterlab & co. just to ask costs seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        m = importlib.import_module(mod)
-    except Exception:
+        return version(dist)
+    except PackageNotFoundError:
         return None
-    return getattr(m, "__version__", "installed")
 
 
 def _torch_tuple(v: str) -> tuple[int, int]:

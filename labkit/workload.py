@@ -7,7 +7,7 @@ Each stage is `n_blocks` of `TimedBlock`: forward takes `fwd_ms`, the backward f
 - `mode="sleep"`: the rank sleeps. Sleeping ranks do not compete for CPU cores, so even 4 or 8
   ranks on a 2-core laptop keep the schedule's shape: the measured timeline can be held against
   the ideal one. This is the mode for seeing schedules.
-- `mode="spin"`: the rank burns CPU for that long (wall clock). With more ranks than cores the
+- `mode="spin"`: the rank burns that much CPU time. With more ranks than cores the
   ranks steal each other's cores, actions stretch and the timeline smears: that is what
   oversubscription does to a real model on a laptop (notebook 04 shows both).
 
@@ -34,9 +34,10 @@ def _spend(seconds: float, mode: str) -> None:
     if mode == "sleep":
         time.sleep(seconds)
         return
-    end = time.perf_counter() + seconds
+    # CPU time, not wall time: a rank that shares its core with others takes longer, as real compute does.
+    end = time.thread_time() + seconds
     x = 0
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         x += 1
 
 
@@ -173,5 +174,6 @@ def run_controlled(cfg: WorkloadConfig | None = None, **kwargs):
         cfg = WorkloadConfig(**{k: v for k, v in kwargs.items() if k in fields})
     launch_kw = {k: v for k, v in kwargs.items() if k not in fields}
     launch_kw.setdefault("name", f"controlled-{cfg.schedule}-p{cfg.pp_size}-m{cfg.n_microbatches}-{cfg.mode}")
-    return launch(REPO_ROOT / "scripts" / "controlled_pipeline.py", cfg.script_args(), nproc=cfg.pp_size,
-                  config=cfg.to_dict(), **launch_kw)
+    profile = launch_kw.pop("profile", False)  # torch.profiler traces with exact compute spans
+    return launch(REPO_ROOT / "scripts" / "controlled_pipeline.py", cfg.script_args() + (["--profile"] if profile else []),
+                  nproc=cfg.pp_size, config=cfg.to_dict(), **launch_kw)
