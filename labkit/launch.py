@@ -250,7 +250,7 @@ class _Streamer:
 
     def _discover(self) -> None:
         p = self.run_dir / "launcher.log"
-        if p not in self.tails:
+        if p not in self.tails and self.stream == "all":  # torchrun's own chatter; errors reach LaunchError
             self.tails[p] = _Tail(p, "[launcher] ")
         for rank in range(self.nproc):
             for s in ("stdout", "stderr"):
@@ -425,6 +425,8 @@ def _error_message(run: Run, headline: str) -> str:
     if run.failed_rank is not None:
         parts.append(f"Last lines of rank {run.failed_rank}'s log ({run.rank_dir(run.failed_rank)}):")
         parts.append(run.tail(run.failed_rank) or "(empty)")
+    elif run.status == "timeout":
+        parts.append("Every rank's stack: stacks.txt in the run directory.")
     else:
         parts.append("Last lines of launcher.log:")
         launcher = run.run_dir / "launcher.log"

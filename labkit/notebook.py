@@ -48,13 +48,16 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-_VOLATILE = re.compile(r"^[0-9a-f]{8}-[0-9a-f-]{27}.*$|^labkit-.*_[a-z0-9]{8}$")
+_VOLATILE = re.compile(r"^[0-9a-f]{8}-[0-9a-f-]{27}.*$|^labkit-.*_[a-z0-9_]{8}$")  # torchrun: mkdtemp suffix, [a-z0-9_]
 
 
 def tree(run_dir: str | os.PathLike, max_depth: int = 5) -> str:
     """The run directory as an indented tree, with torchrun's random ids shown as `<id>`."""
     root = Path(run_dir)
-    lines = [f"{root.name.split('-', 2)[-1] if root.name[:8].isdigit() else root.name}/"]
+    name = root.name
+    if name[:8].isdigit():  # runs/<stamp>-<time>-<name>-<hex>: show only <name>
+        name = re.sub(r"-[0-9a-f]{6}$", "", name.split("-", 2)[-1])
+    lines = [f"{name}/"]
 
     def walk(d: Path, depth: int):
         for p in sorted(d.iterdir()):
@@ -105,8 +108,7 @@ def peak_in_flight(order) -> dict[int, int]:
     saved inputs). `order` is a Timeline or `{rank: [(kind, stage, microbatch), ...]}`; a stage's
     actions run one after another on its rank, so the order alone decides the count.
     """
-    if hasattr(order, "compute"):
-        order = rank_orders(order)
+    order = _as_tuples(order)
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
     for acts in order.values():
@@ -145,9 +147,29 @@ def saved_activation_bytes(module, *inputs) -> int:
 
 def torch_actions(order) -> dict[int, list[str]]:
     """`{rank: ["0F0", "1I2", ...]}`: an order (or a Timeline) in torch's short form, stage kind microbatch."""
+    return {r: [f"{s}{k}{mb}" for k, s, mb in acts] for r, acts in sorted(_as_tuples(order).items())}
+
+
+_SHORT_ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+def _as_tuples(order) -> dict[int, list[tuple[str, int, int]]]:
+    """A Timeline, or `{rank: [actions]}` with `(kind, stage, mb)` tuples or torch's `"0F1"` strings."""
     if hasattr(order, "compute"):
-        order = rank_orders(order)
-    return {r: [f"{s}{k}{mb}" for k, s, mb in acts] for r, acts in sorted(order.items())}
+        return rank_orders(order)
+    out = {}
+    for r, acts in order.items():
+        row = []
+        for a in acts:
+            if isinstance(a, str):
+                m = _SHORT_ACTION.match(a.upper())
+                if m is None:
+                    raise ValueError(f"Cannot read action {a!r} of rank {r}: write torch's short form like '0F1' "
+                                     f"(stage, kind, microbatch) or a tuple ('F', 0, 1).")
+                a = (m.group(2), int(m.group(1)), int(m.group(3)))
+            row.append(tuple(a))
+        out[r] = row
+    return out
 
 
 def format_order(order) -> str:

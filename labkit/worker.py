@@ -85,6 +85,15 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def exit_now(code: int | None) -> None:
+    """End the rank now, after the process group is torn down and output flushed, skipping the
+    interpreter's own teardown: under load, destroying leftover pipelining objects at exit sometimes
+    aborted a rank ("terminate called without an active exception", exit -6) after it had finished."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+import warnings
+
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -43,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
+
+
+# torch's own pytree deprecation, printed by the tracer on every rank: noise for learners
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
 
 
 @record
@@ -127,4 +133,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker.exit_now(main())

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import warnings
+
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -88,6 +90,10 @@ def run_steps(cfg, d, stages, schedule, x, y):
         if d.rank == 0:
             worker.progress(step + 1, cfg.steps)
     return step_times, step_losses, first
+
+
+# torch's own pytree deprecation, printed by the tracer on every rank: noise for learners
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
 
 
 @record
@@ -183,4 +189,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker.exit_now(main())

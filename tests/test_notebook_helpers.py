@@ -16,3 +16,130 @@ def test_pick_preset_on_cpu():
 
     if not torch.cuda.is_available():
         assert pick_preset(2) == "tiny" and pick_preset(1, cpu="small") == "small"
+
+
+def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
+    from labkit.notebook import peak_in_flight, rank_orders
+    from labkit.theory import planned_actions, simulate
+
+    tl = simulate("1F1B", 4, 8)
+    assert rank_orders(tl) == planned_actions("1F1B", 4, 8)
+    assert peak_in_flight(tl) == {0: 4, 1: 3, 2: 2, 3: 1}  # 1F1B: at most pp_size - stage
+    assert peak_in_flight(planned_actions("GPipe", 4, 8)) == {s: 8 for s in range(4)}  # GPipe: all m
+    # a split backward frees a microbatch at W, not at I
+    assert peak_in_flight({0: [("F", 0, 0), ("F", 0, 1), ("I", 0, 0), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)]}) == {0: 2}
+
+
+def test_saved_activation_bytes_counts_activations_not_weights():
+    import torch
+
+    from labkit.notebook import saved_activation_bytes
+
+    lin = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    # Linear saves its input (4x16 floats) and its weight (a parameter, left out)
+    assert saved_activation_bytes(lin, x) == 4 * 16 * 4
+    with torch.no_grad():
+        assert saved_activation_bytes(lin, x) == 0
+
+
+def test_torch_short_forms_of_an_order():
+    from labkit.notebook import format_order, order_csv, torch_actions
+
+    order = {1: [("F", 1, 0), ("I", 1, 0), ("W", 1, 0)], 0: [("F", 0, 0), ("B", 0, 0)]}
+    assert torch_actions(order) == {0: ["0F0", "0B0"], 1: ["1F0", "1I0", "1W0"]}
+    assert format_order(order) == "rank 0: 0F0 0B0\nrank 1: 1F0 1I0 1W0"
+    assert order_csv(order) == "0F0,0B0\n1F0,1I0,1W0\n"
+
+
+def test_solution_loads_an_answer_from_a_solutions_file(tmp_path, monkeypatch):
+    from labkit.notebook import solution
+
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / "99_demo.py").write_text("ANSWER = 42\n")
+    monkeypatch.chdir(tmp_path)
+    assert solution("99_demo", "ANSWER") == 42
+
+
+# --- stages, Pipes and failed runs (notebooks 01, 02 and 09) ------------------------------------
+
+
+def test_param_groups_and_compress_names_of_the_tutorial_model():
+    from labkit.config import RunConfig
+    from labkit.model import build_model
+    from labkit.notebook import compress_names, param_groups
+    from labkit.stages import manual_stage_module
+
+    full = build_model(RunConfig(preset="tiny"))
+    groups = param_groups(full)
+    assert list(groups)[:2] == ["tok_embeddings", "layers.0"] and list(groups)[-2:] == ["norm", "output"]
+    assert sum(groups.values()) == sum(p.numel() for p in full.parameters())
+    second = param_groups(manual_stage_module(full, 1, 2))
+    assert compress_names(second) == ["layers.4-7", "norm", "output"]
+    assert compress_names(["layer0", "layer1", "a.1", "a.2", "a.4", "b"]) == ["layer0", "layer1", "a.1-2", "a.4", "b"]
+
+
+def test_pipe_summary_of_a_traced_network():
+    import torch
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from labkit.notebook import pipe_summary
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    pipe = pipeline(net, mb_args=(torch.randn(2, 4),), split_spec={"2": SplitPoint.BEGINNING})
+    assert pipe_summary(pipe).splitlines() == ["stage 0: 0  [20 parameter elements]",
+                                               "stage 1: 2  [10 parameter elements]"]
+
+
+STACKS = """=== rank 0 ===
+Fatal Python error: Aborted
+
+Current thread 0x00007fec97a19b80 (most recent call first):
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 2753 in send
+  File "/repo/notebooks/scripts_09/hang.py", line 38 in main
+  File "/repo/notebooks/scripts_09/hang.py", line 46 in <module>
+
+Extension modules: numpy._core._multiarray_umath (total: 1)
+
+=== rank 1 ===
+Fatal Python error: Aborted
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f80b0fc3b80 (most recent call first):
+  File "/repo/notebooks/scripts_09/hang.py", line 26 in load_next_batch
+  File "/repo/notebooks/scripts_09/hang.py", line 40 in main
+"""
+
+
+def test_stack_frames_and_rank_locations_hide_folders_and_other_threads():
+    from labkit.notebook import rank_locations, stack_frames
+
+    assert stack_frames(STACKS, "hang") == {0: ["hang.py:38 in main", "hang.py:46 in <module>"],
+                                            1: ["hang.py:26 in load_next_batch", "hang.py:40 in main"]}
+    assert stack_frames(STACKS)[0][0] == "distributed_c10d.py:2753 in send"
+    error = ("The job did not finish within the 15 s deadline and was stopped. Where each rank was:\n"
+             "  rank 0: /repo/notebooks/scripts_09/hang.py:38 in main (innermost: distributed_c10d.py:2753 in send)\n"
+             "  rank 1: /repo/notebooks/scripts_09/hang.py:26 in load_next_batch\n")
+    assert rank_locations(error) == {0: "hang.py:38 in main", 1: "hang.py:26 in load_next_batch"}
+
+
+def test_orders_in_torch_short_form_are_read_too():
+    import pytest
+
+    from labkit.notebook import order_csv, peak_in_flight, torch_actions
+
+    order = {0: "0F0 0F1 0B0 0B1".split(), 1: ["1F0", ("B", 1, 0), "1f1", "1B1"]}
+    assert torch_actions(order) == {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+    assert order_csv(order).splitlines()[0] == "0F0,0F1,0B0,0B1"
+    assert peak_in_flight(order) == {0: 2, 1: 1}
+    with pytest.raises(ValueError, match="short form"):
+        torch_actions({0: ["F00"]})
+
+
+def test_tree_hides_torchrun_ids_with_underscores(tmp_path):
+    # torchrun's log folder is tempfile.mkdtemp(prefix=f"{rdzv_id}_"): its 8 random characters include "_"
+    run = tmp_path / "20261122-031244-hang-e4e9ef"
+    (run / "logs" / "labkit-20261122-031244-hang-e4e9ef_t9zm_nv9" / "attempt_0" / "0").mkdir(parents=True)
+    assert "t9zm_nv9" not in tree(run) and "<id>/" in tree(run)

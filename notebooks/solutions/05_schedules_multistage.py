@@ -1,0 +1,31 @@
+"""Solutions to the exercises of notebook 05 (several stages per rank). Try them first!"""
+
+
+def exercise_1():
+    """pp_size p=4, 2 stages per rank, stage 5.
+
+    loop: rank r holds r and r+p, so stage 5 = 1 + 4 is on rank 1.
+    V: rank r holds r and 2p-1-r = 7-r, so stage 5 = 7 - 2 is on rank 2.
+    """
+    p, stage = 4, 5
+    return stage % p, 2 * p - 1 - stage
+
+
+def exercise_2():
+    """ZBVZeroBubble, rank 0 of 4, 8 microbatches: rank 0 holds stages 0 and 7 (V placement).
+
+    Each stage runs every microbatch forward once (F) and splits every backward into I and W:
+    2 stages x 8 microbatches = 16 of each. No full backward B.
+    """
+    return {"F": 16, "I": 16, "W": 16}
+
+
+def exercise_3():
+    """With F=1, B=2 and 8 microbatches on 2 ranks x 2 stages, the split-backward schedules
+    (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) all reach 1/49 of wall time, against 1/17
+    for Interleaved1F1B and LoopedBFS: W fills what would be bubble. Any of the three is right.
+
+        from labkit.theory import Cost, simulate
+        {n: simulate(n, 2, 8, 2, Cost(F=1, B=2)).metrics()["bubble_fraction"] for n in MULTI}
+    """
+    return "ZBVZeroBubble"
