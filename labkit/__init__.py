@@ -10,4 +10,4 @@ from .launch import LaunchError, Run, launch, run
 from .explorer import explorer
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "launch", "run"]
+__all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "explorer", "launch", "run"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 
 MIN_TORCH = (2, 8)
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "matplotlib", "nbval", "psutil", "numpy")

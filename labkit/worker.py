@@ -85,6 +85,13 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def quiet_warnings() -> None:
+    """Hide torch's own pytree deprecation warning, which the tracer prints on every rank (noise for learners)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+
+
 def exit_now(code: int | None) -> None:
     """End the rank now, after the process group is torn down and output flushed, skipping the
     interpreter's own teardown: under load, destroying leftover pipelining objects at exit sometimes

@@ -177,3 +177,43 @@ def run_controlled(cfg: WorkloadConfig | None = None, **kwargs):
     profile = launch_kw.pop("profile", False)  # torch.profiler traces with exact compute spans
     return launch(REPO_ROOT / "scripts" / "controlled_pipeline.py", cfg.script_args() + (["--profile"] if profile else []),
                   nproc=cfg.pp_size, config=cfg.to_dict(), **launch_kw)
+
+
+@dataclass
+class Check:
+    """The reference check of a controlled-workload step, as every rank sees it."""
+
+    ok: bool
+    max_abs_diff: float
+    compared: int
+    expected: int
+    reference_losses: list
+    extras: list
+    """Each rank's `extra` floats, in rank order."""
+
+
+def stage_grads(stages) -> dict:
+    """The stages' gradients under the full model's names (stage modules are nn.Sequential children)."""
+    return {f"{s.stage_index}.{n}": p.grad.detach().clone() for s in stages for n, p in s.submod.named_parameters()
+            if p.grad is not None}
+
+
+def check_step(full: nn.Sequential, stages, grads: dict, losses: list, x, y, n_microbatches: int, has_last: bool,
+               device, extra=(), tolerance: float = 1e-5) -> Check:
+    """Collective (call on every rank): one step's grads and losses vs the unsplit model on the whole batch."""
+    from . import worker
+    from .reference import grad_diff, whole_batch_reference
+
+    TimedBlock.timing = False  # the reference runs the same maths without spending the time
+    ref = whole_batch_reference(full, x, y, n_microbatches, mse)
+    named = nn.Module()
+    for s in stages:
+        named.add_module(str(s.stage_index), s.submod)
+    gmax, numel = grad_diff([named], grads, ref)
+    ldiff = max((abs(float(l) - r) for l, r in zip(losses, ref.losses)), default=0.0) if has_last else 0.0
+    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, *extra], device)
+    diff = max(max(r[0] for r in per_rank), max(r[2] for r in per_rank))
+    compared = int(sum(r[1] for r in per_rank))
+    expected = sum(p.numel() for p in full.parameters())
+    return Check(diff <= tolerance and compared == expected, diff, compared, expected, ref.losses,
+                 [r[3:] for r in per_rank])

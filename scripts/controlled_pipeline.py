@@ -16,16 +16,13 @@ import os
 import sys
 from pathlib import Path
 
-import warnings
-
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit import worker
 from labkit.config import ConfigError, stage_placement
-from labkit.reference import grad_diff, whole_batch_reference
 from labkit.stages import make_schedule
-from labkit.workload import TimedBlock, WorkloadConfig, full_model, make_batch, mse
+from labkit.workload import WorkloadConfig, check_step, full_model, make_batch, mse, stage_grads
 
 
 def parse_args(argv=None):
@@ -47,13 +44,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# torch's own pytree deprecation, printed by the tracer on every rank: noise for learners
-warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
-
-
 @record
 def main(argv=None) -> int:
     a = parse_args(argv)
+    worker.quiet_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = WorkloadConfig(schedule=a.schedule, pp_size=world, n_microbatches=a.microbatches,
@@ -88,41 +82,24 @@ def main(argv=None) -> int:
             step_times.append(elapsed())
             if step == 0:
                 losses = [float(l.detach()) for l in step_l]
-                # stage modules are nn.Sequential children: name parameters as the full model does
-                grads = {f"{s.stage_index}.{n}": p.grad.detach().clone() for s in stages
-                         for n, p in s.submod.named_parameters()}
+                grads = stage_grads(stages)
             for s in stages:
                 s.submod.zero_grad(set_to_none=True)
             if d.rank == 0:
                 worker.progress(step + 1, cfg.steps)
 
-    TimedBlock.timing = False
-    ref = whole_batch_reference(full, x, y, cfg.n_microbatches, mse)
-
-    class _Named(torch.nn.Module):  # the rank's stages under the full model's names
-        def __init__(self):
-            super().__init__()
-            for s in stages:
-                self.add_module(str(s.stage_index), s.submod)
-
-    gmax, numel = grad_diff([_Named()], grads, ref)
-    ldiff = max((abs(p - r) for p, r in zip(losses, ref.losses)), default=0.0) if has_last else 0.0
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff] + step_times, d.device)
     last_rank = next(r for r, st in enumerate(placement) if cfg.n_stages - 1 in st)
+    check = check_step(full, stages, grads, losses, x, y, cfg.n_microbatches, has_last, d.device, extra=step_times)
     losses = worker.broadcast_floats(losses if has_last else None, cfg.n_microbatches, last_rank, d.device)
-    ok = True
+    ok, diff, compared, expected = check.ok, check.max_abs_diff, check.compared, check.expected
     if d.rank == 0:
-        diff = max(max(r[0] for r in per_rank), max(r[2] for r in per_rank))
-        compared = int(sum(r[1] for r in per_rank))
-        expected = sum(p.numel() for p in full.parameters())
-        ok = diff <= 1e-5 and compared == expected
         worker.write_json(out_dir / "result.json", {
             "status": "ok" if ok else "failed", "workload": "controlled", "schedule": cfg.schedule,
             "pp_size": cfg.pp_size, "n_stages": cfg.n_stages, "stages_per_rank": cfg.stages_per_rank,
             "n_microbatches": cfg.n_microbatches, "stage_placement": placement, "losses": losses,
             "reference_match": ok, "max_abs_diff": diff, "compared_param_elements": compared,
             "model_param_elements": expected, "torch": torch.__version__, "device": "cpu", "backend": d.backend,
-            "step_time_s": [max(r[3 + i] for r in per_rank) for i in range(cfg.steps)],
+            "step_time_s": [max(r[i] for r in check.extras) for i in range(cfg.steps)],
             "costs_ms": {str(s): cfg.stage_costs_ms(s) for s in range(cfg.n_stages)},
             "profiled": bool(a.profile), "config": cfg.to_dict(),
         })

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import warnings
-
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -92,13 +90,10 @@ def run_steps(cfg, d, stages, schedule, x, y):
     return step_times, step_losses, first
 
 
-# torch's own pytree deprecation, printed by the tracer on every rank: noise for learners
-warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*", category=FutureWarning)
-
-
 @record
 def main(argv=None) -> int:
     a = parse_args(argv)
+    worker.quiet_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = config_from_args(a, world)

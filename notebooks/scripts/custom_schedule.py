@@ -34,8 +34,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit import worker
-from labkit.reference import grad_diff, whole_batch_reference
-from labkit.workload import TimedBlock, mse
+from labkit.workload import TimedBlock, check_step, mse, stage_grads
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
@@ -124,36 +123,22 @@ def main(argv=None) -> int:
     with worker.maybe_profile(a.profile, d, out_dir):
         with worker.timed(d.device) as elapsed:
             schedule.step(*((x,) if has_first else ()), **({"target": y, "losses": step_losses} if has_last else {}))
-    grads = {f"{s.stage_index}.{n}": p.grad.detach().clone() for s in stages for n, p in s.submod.named_parameters()}
-
-    TimedBlock.timing = False  # the reference runs the same maths without the waiting
-    ref = whole_batch_reference(full, x, y, m, mse)
-
-    class _Named(nn.Module):  # this rank's stages under the full model's parameter names
-        def __init__(self):
-            super().__init__()
-            for s in stages:
-                self.add_module(str(s.stage_index), s.submod)
-
-    gmax, numel = grad_diff([_Named()], grads, ref)
-    ldiff = max((abs(float(l) - r) for l, r in zip(step_losses, ref.losses)), default=0.0) if has_last else 0.0
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, elapsed()], d.device)
+    grads = stage_grads(stages)
+    losses_here = [float(l.detach()) for l in step_losses]
+    check = check_step(full, stages, grads, losses_here, x, y, m, has_last, d.device, extra=[elapsed()])
     last_rank = stage_rank[n_stages - 1]
-    losses = worker.broadcast_floats([float(l) for l in step_losses] if has_last else None, m, last_rank, d.device)
-    ok = True
+    losses = worker.broadcast_floats(losses_here if has_last else None, m, last_rank, d.device)
+    ok, diff, compared, expected, ref_losses = (check.ok, check.max_abs_diff, check.compared, check.expected,
+                                                check.reference_losses)
     if d.rank == 0:
-        diff = max(max(r[0] for r in per_rank), max(r[2] for r in per_rank))
-        compared = int(sum(r[1] for r in per_rank))
-        expected = sum(p.numel() for p in full.parameters())
-        ok = diff <= 1e-5 and compared == expected
         schedule._dump_csv(str(out_dir / "order_with_comms.csv"), format="compute_comms")
         worker.write_json(out_dir / "result.json", {
             "status": "ok" if ok else "failed", "workload": "controlled", "schedule": "custom",
             "pp_size": world, "n_stages": n_stages, "n_microbatches": m,
             "stage_placement": [sorted(s for s, r in stage_rank.items() if r == rank) for rank in range(world)],
-            "order": {str(r): acts for r, acts in rows.items()}, "losses": losses, "reference_losses": ref.losses,
+            "order": {str(r): acts for r, acts in rows.items()}, "losses": losses, "reference_losses": ref_losses,
             "reference_match": ok, "max_abs_diff": diff, "compared_param_elements": compared,
-            "model_param_elements": expected, "step_time_s": [max(r[3] for r in per_rank)],
+            "model_param_elements": expected, "step_time_s": [max(r[0] for r in check.extras)],
             "costs_ms": {"F": a.fwd_ms, "B": a.bwd_ms, "I": a.bwd_ms / 2, "W": a.bwd_ms / 2},
             "torch": torch.__version__, "runtime": "torch.distributed.pipelining.schedules._PipelineScheduleRuntime",
             "profiled": bool(a.profile),
@@ -165,4 +150,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker.exit_now(main())
