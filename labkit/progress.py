@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import lru_cache
 from dataclasses import dataclass, field
 
 
@@ -38,6 +39,18 @@ class ProgressState:
         return f"{self.title} {self.status} {elapsed:5.1f}s"
 
 
+@lru_cache(maxsize=1)
+def _bar_box():
+    """An HBox whose text form is one short line (what a saved notebook or handout shows without widgets)."""
+    import ipywidgets as w
+
+    class ProgressBox(w.HBox):
+        def __repr__(self) -> str:
+            return f"[progress bar: {getattr(self, 'title', '')}]"
+
+    return ProgressBox
+
+
 class Progress:
     """`with Progress("GPipe x2", total=3) as p: p.update(1)`; draws nothing when `enabled=False`."""
 
@@ -58,7 +71,8 @@ class Progress:
                 self._bar = w.IntProgress(value=0, min=0, max=total or 1, description="",
                                           bar_style="info", layout=w.Layout(width="40%"))
                 self._label = w.Label(self.state.text())
-                self._widget = w.HBox([self._bar, self._label])
+                self._widget = _bar_box()([self._bar, self._label])
+                self._widget.title = title
                 display(self._widget)
             except ImportError:
                 self._widget = None
