@@ -33,7 +33,9 @@ def load_timeline(paths, source: str = "logs", trim: bool = True) -> Timeline:
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    single = paths if isinstance(paths, (str, os.PathLike)) else (list(paths)[0] if len(list(paths)) == 1 else None)
+    if not isinstance(paths, (str, os.PathLike)):
+        paths = list(paths)  # read an iterator once: it is used again below
+    single = paths if isinstance(paths, (str, os.PathLike)) else (paths[0] if len(paths) == 1 else None)
     if source in ("profiler", "auto") and single is not None:
         from .profiler import profile_files, timeline_from_profile
 
