@@ -37,6 +37,11 @@ NOTEBOOK_CELLS = [
 ]
 
 
+# The kernel redraws the theory (simulation + PNG) on each change; a loaded 2-core CI machine can take
+# several seconds, longer than Playwright's 5 s default.
+UI_TIMEOUT_MS = 60_000
+
+
 def _requirements() -> str | None:
     """Why the test cannot run here, or None."""
     if shutil.which("chromium") is None:
@@ -195,19 +200,19 @@ def test_explorer_in_jupyterlab(tmp_path):
                 mb = panel.locator(".pplab-microbatches input")
                 mb.fill("3")
                 mb.press("Tab")
-                expect(panel.locator(".pplab-error")).to_contain_text("not divisible by 3 microbatches")
-                expect(panel.locator(".pplab-run")).to_be_disabled()
+                expect(panel.locator(".pplab-error")).to_contain_text("not divisible by 3 microbatches", timeout=UI_TIMEOUT_MS)
+                expect(panel.locator(".pplab-run")).to_be_disabled(timeout=UI_TIMEOUT_MS)
 
                 # A valid change: the ideal timeline follows at once.
                 before = panel.locator("img.pplab-theory-image").get_attribute("src")
                 panel.locator(".pplab-schedule select").select_option(label="1F1B")
                 mb.fill("8")
                 mb.press("Tab")
-                expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 8 microbatches")
-                expect(theory).to_contain_text("bubble_fraction 11.1%")  # (p-1)/(m+p-1) = 1/9
-                expect(theory).to_contain_text("bubble_ratio 0.12")      # (p-1)/m = 1/8
-                expect(panel.locator(".pplab-error")).to_be_hidden()
-                expect(panel.locator(".pplab-run")).to_be_enabled()
+                expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 8 microbatches", timeout=UI_TIMEOUT_MS)
+                expect(theory).to_contain_text("bubble_fraction 11.1%", timeout=UI_TIMEOUT_MS)  # (p-1)/(m+p-1) = 1/9
+                expect(theory).to_contain_text("bubble_ratio 0.12", timeout=UI_TIMEOUT_MS)      # (p-1)/m = 1/8
+                expect(panel.locator(".pplab-error")).to_be_hidden(timeout=UI_TIMEOUT_MS)
+                expect(panel.locator(".pplab-run")).to_be_enabled(timeout=UI_TIMEOUT_MS)
                 assert panel.locator("img.pplab-theory-image").get_attribute("src") != before
                 _painted(page)
                 page.screenshot(path=str(ARTIFACTS / "02-controls-changed.png"))
