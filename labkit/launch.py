@@ -169,7 +169,10 @@ def torchrun_command(script: str | os.PathLike, script_args: list[str], nproc: i
     else:
         if not rdzv_endpoint:
             raise ConfigError("A multi-node job needs a rendezvous endpoint HOST:PORT reachable from every node.")
-        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+        # static, not c10d: c10d ignores --node-rank and numbers nodes by the order it sorts them in, so
+        # global rank 0 (and its result.json) could land on any node. Static honours --node-rank: node 0
+        # hosts the store at the endpoint and holds ranks 0..nproc-1.
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or f"labkit-{rdzv_endpoint}"]
     cmd += ["--nproc-per-node", str(nproc), "--max-restarts", "0",
             "--log-dir", str(run_dir / "logs"), "--redirects", "3", str(script), *script_args]
@@ -482,8 +485,8 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     timeout: seconds before the job is ended (every rank's stack is dumped first into its stderr.log
       and stacks.txt); default $LABKIT_TIMEOUT or 900; 0 or None: no deadline.
     check: raise `LaunchError` (rank, command, log tail) when the job fails.
-    nnodes, node_rank, rdzv_endpoint, rdzv_id: a multi-node job (torchrun's c10d rendezvous); run the
-      same call on every node with its own node_rank.
+    nnodes, node_rank, rdzv_endpoint, rdzv_id: a multi-node job (torchrun's static rendezvous: node_rank
+      0 hosts it at rdzv_endpoint and holds global rank 0); run the same call on every node with its own node_rank.
     stop_event: a `threading.Event`; setting it ends the job like an interrupt (status "interrupted",
       no exception): for a Stop button when the launch runs in a background thread.
     echo: called with each live output line instead of print (e.g. an ipywidgets Output's append).

@@ -7,7 +7,8 @@ workers) bound to 127.0.0.1 through a socket the kit binds itself (`TCPStore(mas
 on a port the OS chooses. gloo's listeners follow `GLOO_SOCKET_IFNAME=lo`, set by the launcher.
 
 torchrun finds the handler through the `torchrun.handlers` entry point declared in pyproject.toml.
-Multi-node jobs cannot be loopback-only; they use torchrun's c10d rendezvous on the endpoint given.
+Multi-node jobs cannot be loopback-only; they use torchrun's static rendezvous on the endpoint given
+(node 0 hosts it; see `launch.torchrun_command`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Writing a SLURM batch script for a cluster: srun starts one torchrun agent per node (`labkit slurm`).
 
-The first node of the allocation hosts torchrun's c10d rendezvous; every node runs
+The first node of the allocation hosts torchrun's (static) rendezvous and global rank 0; every node runs
 `python -m labkit run|launch ... --nnodes N --node-rank $SLURM_NODEID --rdzv-endpoint HEAD:PORT`,
 so the cluster job gets the same run directories, logs and checks as a laptop run.
 """
@@ -35,7 +35,9 @@ def slurm_script(kit_args: list[str], nodes: int, gpus_per_node: int = 0, job_na
     lines += [
         "set -euo pipefail",
         "# The first node hosts the rendezvous; every node joins it.",
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads the whole list: `head -n 1` would close the pipe early, and under pipefail the
+        # SIGPIPE that scontrol gets then ends the script (exit 141).
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"PORT={port}",
         f"RUNS={shlex.quote(runs_root)}/slurm-$SLURM_JOB_ID",
         'mkdir -p "$RUNS"',

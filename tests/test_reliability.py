@@ -346,8 +346,8 @@ def test_two_torchrun_agents_form_one_two_node_job(write, runs):
              for i in range(2)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
-    seen = sorted(next((runs / f"node{i}").glob("logs/*/attempt_0/0/stdout.log")).read_text().strip() for i in range(2))
-    assert seen == ["rank 0 of 2 started", "rank 1 of 2 started"]
+    seen = [next((runs / f"node{i}").glob("logs/*/attempt_0/0/stdout.log")).read_text().strip() for i in range(2)]
+    assert seen == ["rank 0 of 2 started", "rank 1 of 2 started"], "--node-rank must decide the global ranks"
 
 
 def test_slurm_script_runs_a_two_node_job_through_srun(tmp_path, runs):
@@ -362,7 +362,8 @@ def test_slurm_script_runs_a_two_node_job_through_srun(tmp_path, runs):
     assert "#SBATCH --nodes=2" in text and "srun" in text and "--node-rank $SLURM_NODEID" in text
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    # a long node list after the head: a script that stops reading early dies of SIGPIPE under pipefail
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\nfor i in $(seq 20000); do echo node$i; done\n")
     (bin_dir / "srun").write_text(textwrap.dedent("""\
         #!/bin/bash
         # stand-in: start one task per 'node' on this machine with its SLURM_NODEID
@@ -376,5 +377,6 @@ def test_slurm_script_runs_a_two_node_job_through_srun(tmp_path, runs):
            "SLURM_JOB_ID": "4242", "PYTHONPATH": str(REPO)}
     p = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert not (runs / "slurm-4242" / "node1" / "result.json").exists(), "global rank 0 must run on node 0"
     res = json.loads((runs / "slurm-4242" / "node0" / "result.json").read_text())
     assert res["pp_size"] == 2 and res["reference_match"] is True
