@@ -520,11 +520,15 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
         proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=job_env(run_dir, env, pp_logs, nnodes == 1 and rdzv_endpoint is None), preexec_fn=_die_with_parent)
     known: dict = {}
+    next_scan = 0.0
     try:
         while proc.poll() is None:
             streamer.poll()
-            for c in _descendants(proc.pid):
-                known.setdefault(c.pid, c)
+            now = time.monotonic()
+            if now >= next_scan:  # the ranks, to end them if torchrun goes; a /proc walk, so not every tick
+                for c in _descendants(proc.pid):
+                    known.setdefault(c.pid, c)
+                next_scan = now + (0.1 if now - started < 2 else 0.5)
             if timeout is not None and time.monotonic() - started > timeout:
                 _stop(proc, known, dump_stacks=True)
                 run.status = "timeout"
@@ -534,7 +538,10 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
                 run.status = "interrupted"
                 run.error = "stopped on request (stop_event); every rank was stopped"
                 break
-            time.sleep(0.1)
+            try:  # wakes the moment torchrun exits, not at the next tick
+                proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
     except KeyboardInterrupt:
         _stop(proc, known)
         run.status = "interrupted"

@@ -23,3 +23,15 @@ def test_fidelity_row_and_table():
            "notebook_suite_s": None, "gpu": {"available": False, "reason": "none"}}
     md = bench.markdown(res)
     assert "| GPipe | 2 | 2 |" in md and "launch overhead" in md
+
+
+def test_tutorial_as_written_vs_kit_script():
+    """Both programs run for real (tiny sizes, CPU) and give a step-time ratio; the table shows it."""
+    out = bench.tutorial_vs_kit(sizes="tiny", steps=3, n=1)
+    assert out["ratio"] > 0 and out["a_median_s"] > 0 and out["b_median_s"] > 0
+    assert (out["sizes"], out["device"]) == ("tiny", "cpu")
+    res = {"machine": "m", "machine_detail": {"cpus": 2}, "torch": "t", "date": "d",
+           "launch_overhead_ratio": 1.0, "capture_overhead_ratio": 1.0, "profiler_overhead_ratio": 1.2,
+           "fidelity": [], "parser_lines_per_s": {}, "parser_linearity": 1.0, "notebook_suite_s": None,
+           "tutorial_vs_kit": out, "gpu": {"available": False, "reason": "none"}}
+    assert f"| {out['ratio']:.3f}x |" in bench.markdown(res)
