@@ -7,6 +7,8 @@ def test_parser_throughput_structure():
     out = bench.parser_throughput((2_000, 4_000))
     assert set(out) == {"2000", "4000", "linearity"}
     assert out["4000"]["lines_per_s"] > 0 and out["4000"]["actions"] > out["2000"]["actions"] > 0
+    # the log -> timeline path includes the parse, so it is never faster than the parse alone
+    assert 0 < out["4000"]["timeline_lines_per_s"] <= out["4000"]["lines_per_s"]
 
 
 def test_launch_overhead_runs_both_commands():
