@@ -14,6 +14,9 @@ def test_parser_throughput_structure():
 def test_launch_overhead_runs_both_commands():
     out = bench.launch_overhead(n=1)
     assert out["ratio"] > 0 and len(out["pair_ratios"]) == 1
+    # the kit's own time outside torchrun: real (an interpreter starts), and a small part of the run
+    assert 0 < out["kit_outside_torchrun_s"] < out["a_median_s"]
+    assert out["pair_ratio_iqr"][0] <= out["ratio"] <= out["pair_ratio_iqr"][1]
 
 
 def test_fidelity_row_and_table():
