@@ -228,8 +228,13 @@ class _Parser:
         self.rolled = False
         self.clock: dict[str, float] = {}  # "MMDDHH:MM:SS" -> epoch seconds
         self.prefix_rank: dict[str, int | None] = {}
-        self.messages: dict[str, tuple] = {}  # message -> decoded (logs repeat their messages)
-        self.sources: dict[str, str] = {}  # "torch/.../schedules.py:2614]" -> "schedules.py:2614"
+        self.messages: dict[str, tuple] = {}  # message -> (message, decoded): logs repeat their messages
+        # labkit format: "D torch.distributed.pipelining.schedules schedules.py:123] msg\n" (a line
+        # after its time stamp) -> ((level, message, meaning..., source), keep); see _kit_rest
+        self.kit_lines: dict[str, tuple] = {}
+        # torch's default format: "7438 torch/.../schedules.py:2614] msg\n" (after the time) ->
+        # (pid, (message, meaning..., source), keep); see _default_tail
+        self.default_tails: dict[str, tuple] = {}
 
     def _rank(self, prefix: str) -> int | None:
         r = self.prefix_rank.get(prefix, -1)
@@ -280,12 +285,13 @@ class _Parser:
         events: list[Event] = []
         append = events.append
         new = _new_event
-        messages, clock, ranks, sources = self.messages, self.clock, self.prefix_rank, self.sources
+        clock, ranks = self.clock, self.prefix_rank
         levels = _GLOG_LEVELS
         cont = -1  # index in `events` of the record that continuation lines belong to (kit format)
         prev_raw = last_raw = ""
         last_is_event = False
         rank0, meaning_only = self.rank, self.meaning_only
+        kit_lines, default_tails = self.kit_lines, self.default_tails
         n = 0
         for n, raw in enumerate(lines, 1):
             prev_raw = last_raw
@@ -295,58 +301,62 @@ class _Parser:
                 if cont >= 0:
                     cont = self._continue(events, cont, raw)
                 continue
-            p = raw.rstrip("\r\n").split(" ", 4)
-            ev = None
-            if len(p) == 5:
-                tok = p[0]
-                if tok[-5:-4] in levels and tok[-4:].isdigit() and p[2].isdigit() and p[3][-1:] == "]":
-                    # torch default: "[rank0]:V1122 01:49:18.636000 7438 torch/.../schedules.py:2614] msg"
-                    msg = p[4]
-                    if msg[:1] == "[" and ("/" in msg[:12] or msg[:3] == "[__"):
-                        msg = _strip_trace(msg)
-                    d = messages.get(msg)
-                    if d is None:
-                        d = self._decode(msg)
-                    if d is _NOTHING and meaning_only:
-                        last_is_event = False
-                        cont = -1
-                        continue
-                    pre = tok[:-5]
-                    rank = (ranks[pre] if pre in ranks else self._rank(pre)) if pre else rank0
-                    hms = p[1]
-                    key = tok[-4:] + hms[:8]
-                    t = clock.get(key)
-                    if t is None:
-                        t = self._seconds(tok[-4:], hms)
-                        clock[key] = t
-                    if t is not None and len(hms) > 8:
-                        try:
-                            t += float(hms[8:])
-                        except ValueError:
-                            t = None
-                    if t is not None:
-                        src = sources.get(p[3])
-                        if src is None:
-                            src = sources[p[3]] = p[3][p[3].rfind("/") + 1:-1]
-                        ev = new(Event, (t, rank, int(p[2]), levels[tok[-5]], msg, *d, src, n))
-                        cont = -1  # torch's formatter prefixes every line of a multi-line record itself
-                elif "0" <= tok[:1] <= "9" and len(p[1]) == 1 and p[2].startswith(_KIT_NAME) and p[3][-1:] == "]":
-                    # labkit: "1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:123] msg"
-                    msg = p[4]
-                    d = messages.get(msg)
-                    if d is None:
-                        d = self._decode(msg)
-                    if d is _NOTHING and meaning_only:
+            if "0" <= raw[:1] <= "9":
+                # labkit's format: everything after the time stamp repeats from line to line, so
+                # what it means is looked up whole (one slice, one dict lookup, one float).
+                i = raw.find(" ")
+                rest = raw[i + 1:]
+                kit = kit_lines.get(rest)
+                if kit is None:
+                    kit = self._kit_rest(rest)
+                if kit:
+                    static, keep = kit
+                    if not keep:
                         last_is_event = False
                         cont = -1
                         continue
                     try:
-                        t = float(tok)
+                        t = float(raw[:i])
                     except ValueError:
-                        t = None
-                    if t is not None:
-                        ev = new(Event, (t, rank0, None, p[1], msg, *d, p[3][:-1], n))
-                        cont = len(events)
+                        pass
+                    else:
+                        append(new(Event, (t, rank0, None, *static, n)))
+                        cont = len(events) - 1
+                        last_is_event = True
+                        continue
+            else:
+                p = raw.split(" ", 2)
+                tok = p[0]
+                if len(p) == 3 and tok[-5:-4] in levels and tok[-4:].isdigit():
+                    # torch's default: "[rank0]:V1122 01:49:18.636000 7438 torch/.../schedules.py:2614] msg";
+                    # what follows the time (pid, source, message) repeats within a process.
+                    tail = default_tails.get(p[2])
+                    if tail is None:
+                        tail = self._default_tail(p[2])
+                    if tail:
+                        pid, static, keep = tail
+                        if not keep:
+                            last_is_event = False
+                            cont = -1
+                            continue
+                        pre = tok[:-5]
+                        rank = (ranks[pre] if pre in ranks else self._rank(pre)) if pre else rank0
+                        hms = p[1]
+                        key = tok[-4:] + hms[:8]
+                        t = clock.get(key)
+                        if t is None:
+                            t = clock[key] = self._seconds(tok[-4:], hms)
+                        if t is not None and len(hms) > 8:
+                            try:
+                                t += float(hms[8:])
+                            except ValueError:
+                                t = None
+                        if t is not None:
+                            append(new(Event, (t, rank, pid, levels[tok[-5]], *static, n)))
+                            cont = -1  # torch's formatter prefixes every line of a multi-line record itself
+                            last_is_event = True
+                            continue
+            ev = None
             if ev is None:
                 # Prefixes with spaces (`[rank0:err] `), other TORCH_LOGS_FORMATs, short lines.
                 ev, kit = self._slow(raw.rstrip("\r\n"), n)
@@ -371,11 +381,47 @@ class _Parser:
             events = [e._replace(rank=by_pid[e.pid]) if e.rank is None and e.pid in by_pid else e for e in events]
         return events
 
+    def _kit_rest(self, rest: str) -> tuple | bool:
+        """What a labkit-format line means after its time stamp (cached): ((level, message, meaning...,
+        source), keep: False when `meaning_only` drops it), or False when it is not that format (the
+        general path then reads the line)."""
+        q = rest.rstrip("\r\n").split(" ", 3)
+        out: tuple | bool = False
+        if len(q) == 4 and len(q[0]) == 1 and q[1].startswith(_KIT_NAME) and q[2][-1:] == "]":
+            md = self.messages.get(q[3])
+            if md is None:
+                md = self._decode(q[3])
+            msg, d = md
+            out = ((q[0], msg, *d, q[2][:-1]), not (d is _NOTHING and self.meaning_only))
+            if len(self.kit_lines) < 200_000:
+                self.kit_lines[rest] = out
+        return out  # other formats are not cached: their text after the first space may never repeat
+
+    def _default_tail(self, tail: str) -> tuple | bool:
+        """What a default-format line means after its time stamp (cached): (pid, (message, meaning...,
+        source), keep), or False when it does not look like torch's format."""
+        q = tail.rstrip("\r\n").split(" ", 2)
+        if len(q) != 3 or not q[0].isdigit() or q[1][-1:] != "]":
+            return False
+        msg = q[2]
+        if msg[:1] == "[" and ("/" in msg[:12] or msg[:3] == "[__"):
+            msg = _strip_trace(msg)
+        md = self.messages.get(msg)
+        if md is None:
+            md = self._decode(msg)
+        msg, d = md
+        out = (int(q[0]), (msg, *d, q[1][q[1].rfind("/") + 1:-1]), not (d is _NOTHING and self.meaning_only))
+        if len(self.default_tails) < 200_000:
+            self.default_tails[tail] = out
+        return out
+
     def _decode(self, msg: str) -> tuple:
-        d = decode_message(msg)
+        """(msg, its meaning), cached: events share one string per distinct message, which keeps a
+        million-line parse from allocating (and later freeing) a million message strings."""
+        md = (msg, decode_message(msg))
         if len(self.messages) < 200_000:
-            self.messages[msg] = d
-        return d
+            self.messages[msg] = md
+        return md
 
     def _slow(self, line: str, n: int) -> tuple[Event | None, bool]:
         """The careful path for what the hot loop does not take: (event or None, kit-like format)."""

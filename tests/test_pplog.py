@@ -274,6 +274,42 @@ def test_event_fields_kit_format():
     assert not any(e.kind == "W" and e.mark == pplog.END for e in events)
 
 
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble-p4-m8", "GPipe-p2-m4", "Interleaved1F1B-p2-m4"])
+@pytest.mark.parametrize("meaning_only", [False, True])
+def test_kit_format_events_match_the_line_text(name, meaning_only):
+    """Every field of every kit-format event, against the line read by hand (the hot loop looks
+    repeated text up in caches: this pins what it must produce, line by line, twice over)."""
+    for f in pplog.log_files(fixture(name)):
+        lines = f.read_text().splitlines(keepends=True)
+        want = []
+        for n, line in enumerate(lines + lines, 1):  # the second copy is served from the caches
+            stamp, level, logger, source, msg = line.rstrip("\n").split(" ", 4)
+            if "pipelining" not in logger:
+                continue
+            meaning = pplog.decode_message(msg)
+            if meaning_only and meaning == (None,) * 7 + ((),):
+                continue
+            want.append(pplog.Event(float(stamp), 3, None, level, msg, *meaning, source[:-1], n))
+        got = pplog.parse_lines(lines + lines, rank=3, meaning_only=meaning_only)
+        assert got == want and all(type(e) is pplog.Event for e in got)
+
+
+@pytest.mark.parametrize("name", ["default_ZBVZeroBubble-p2-m4", "default_GPipe-p2-m4", "default_tee_rank_1F1B-p2-m4"])
+@pytest.mark.parametrize("meaning_only", [False, True])
+def test_default_format_events_match_the_careful_path(name, meaning_only):
+    """The hot loop's cached reading of torch's default format, event by event, against the parser's
+    careful line-at-a-time path (`_slow`, which the hot loop leaves other formats to)."""
+    lines = (fixture(name) / "combined.log").read_text().splitlines(keepends=True)
+    careful = pplog._Parser(None, 2026)
+    want = []
+    for n, line in enumerate(lines + lines, 1):  # the second copy is served from the caches
+        ev, _ = careful._slow(line.rstrip("\n"), n) if "pipelining" in line else (None, False)
+        if ev is not None and not (meaning_only and ev.kind is None and ev.mark is None):
+            want.append(ev)
+    got = pplog.parse_lines(lines + lines, year=2026, meaning_only=meaning_only)
+    assert len(want) > 20 and got == want and all(type(e) is pplog.Event for e in got)
+
 # ---------------------------------------------------------------------------------------------
 # messages
 
