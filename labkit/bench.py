@@ -7,7 +7,8 @@ Every figure is a ratio or a fraction measured within one run, with A and B inte
 pair, because these machines are noisy: never compare absolute times across runs.
 1. launch overhead: a short job through `labkit launch` vs plain `torchrun` (whole processes);
 2. capture overhead: the reference script's step time with PP log capture (+pp, microsecond
-   format, to files) vs without, and with the profiler;
+   format, to files) vs without, step by step inside each job (with an A/A control), and between
+   whole jobs; the profiler between jobs;
 3. fidelity: measured vs ideal bubble on the controlled workload, GPipe and 1F1B, several shapes;
 4. parser throughput at 10k, 100k, 1M lines (and whether time grows linearly), and the whole
    log -> timeline path beside it;
@@ -61,10 +62,14 @@ def _pairs(a, b, n: int) -> tuple[list[float], list[float]]:
     return ra, rb
 
 
+def _spread(ratios: list[float]) -> dict:
+    """Median of a list of pair ratios, with the ratios and their middle half."""
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "pair_ratios": ratios, "pair_ratio_iqr": [q[0], q[2]]}
+
+
 def _ratio(ra: list[float], rb: list[float]) -> dict:
-    pair = [x / y for x, y in zip(ra, rb)]
-    q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0], pair[0], pair[0]]
-    return {"ratio": statistics.median(pair), "pair_ratios": pair, "pair_ratio_iqr": [q[0], q[2]],
+    return {**_spread([x / y for x, y in zip(ra, rb)]),
             "a_median_s": statistics.median(ra), "b_median_s": statistics.median(rb)}
 
 
@@ -97,22 +102,69 @@ def launch_overhead(n: int = 5, nproc: int = 2) -> dict:
         return res
 
 
-def capture_overhead(n: int = 3, steps: int = 8, preset: str = "small") -> dict:
-    """Median step time of the reference script: +pp capture vs none, and profiler vs none."""
-    from .config import RunConfig
+def _on_off_pairs(step_times: list[float], on: list[bool], skip: int = 2) -> list[float]:
+    """Step-time ratios (logging step / silent step) of the step pairs (skip, skip+1), ... of one job."""
+    ratios = []
+    for i in range(skip, len(step_times) - 1, 2):
+        if on[i] == on[i + 1]:
+            raise ValueError(f"steps {i} and {i + 1} both have PP logs {'on' if on[i] else 'off'}: not an A/B pair")
+        logging_step, silent_step = (i, i + 1) if on[i] else (i + 1, i)
+        ratios.append(step_times[logging_step] / step_times[silent_step])
+    return ratios
+
+
+def _reference_job(cfg, pp_logs: bool, extra: list[str]) -> dict:
+    """result.json of one run of the reference script on 2 ranks (quiet, in a throw-away folder)."""
     from .launch import REFERENCE_SCRIPT, launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return launch(REFERENCE_SCRIPT, cfg.script_args() + extra, nproc=2, runs_root=tmp, progress=False,
+                      stream="none", pp_logs=pp_logs).result
+
+
+def capture_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> dict:
+    """PP log capture's cost step by step inside each job (1F1B, 2 ranks, 4 microbatches).
+
+    Under TORCH_LOGS=+pp (the kit's microsecond format, to the rank's log files) the reference
+    script's `--log-ab` turns the pipelining logger on and off between steps, in pairs
+    (worker.pp_logs_on_step); `capture` is the median of (logging step / silent step) over every
+    pair of n jobs. `control` runs the same jobs without TORCH_LOGS (an A/A test: the ratio that
+    noise alone gives). Jobs of the two kinds alternate.
+    """
+    from .config import RunConfig
 
     cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
 
-    def step_time(pp_logs: bool, profile: bool = False) -> float:
-        with tempfile.TemporaryDirectory() as tmp:
-            r = launch(REFERENCE_SCRIPT, cfg.script_args() + (["--profile"] if profile else []), nproc=2,
-                       runs_root=tmp, progress=False, stream="none", pp_logs=pp_logs)
-            return statistics.median(r.result["step_time_s"][1:])  # step 1 warms up
+    def in_job(pp_logs: bool) -> list[float]:
+        r = _reference_job(cfg, pp_logs, ["--log-ab"])
+        return _on_off_pairs(r["step_time_s"], r["step_pp_logs"])
 
-    logs, none_a = _pairs(lambda: step_time(True), lambda: step_time(False), n)
-    prof, none_b = _pairs(lambda: step_time(False, True), lambda: step_time(False), n)
-    return {"capture": _ratio(logs, none_a), "profiler": _ratio(prof, none_b), "steps": steps, "preset": preset}
+    logged, control = _pairs(lambda: in_job(True), lambda: in_job(False), n)
+    return {"capture": {**_spread([x for ps in logged for x in ps]), "method": "within jobs, step pairs",
+                        "jobs": n, "steps": steps},
+            "control": {**_spread([x for ps in control for x in ps]), "method": "same jobs without TORCH_LOGS (A/A)"}}
+
+
+def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between_jobs: int = 3,
+                     between_steps: int = 10) -> dict:
+    """PP log capture's cost on the reference script's step time, and the profiler's.
+
+    `capture` and `control` (the figure with the target, and its A/A test): capture_within_jobs.
+    Steps of one job share the machine's mood; two jobs in a row do not (their median step times
+    differ by up to +-10% here with nothing changed), so `between_jobs`, whole jobs with vs without
+    capture pair by pair, is reported beside it and mostly measures that. profiler: between jobs.
+    """
+    from .config import RunConfig
+
+    within = capture_within_jobs(n, steps, preset)
+    cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=between_steps)
+    step_time = lambda pp_logs, profile=False: statistics.median(
+        _reference_job(cfg, pp_logs, ["--profile"] if profile else [])["step_time_s"][1:])  # step 1 warms up
+    logs, none_a = _pairs(lambda: step_time(True), lambda: step_time(False), between_jobs)
+    prof, none_b = _pairs(lambda: step_time(False, True), lambda: step_time(False), between_jobs)
+    return {**within,
+            "between_jobs": {**_ratio(logs, none_a), "steps": between_steps},
+            "profiler": {**_ratio(prof, none_b), "steps": between_steps}, "preset": preset}
 
 
 def fidelity(shapes=((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)), schedules=("GPipe", "1F1B"),
@@ -277,7 +329,8 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     lo = launch_overhead(n=1 if quick else 15)
     res["launch_overhead_ratio"], res["launch_overhead"] = lo["ratio"], lo
     say("capture and profiler overhead")
-    co = capture_overhead(n=1 if quick else 3, steps=4 if quick else 10, preset="tiny" if quick else "small")
+    co = capture_overhead(n=1 if quick else 3, steps=8 if quick else 80, preset="tiny" if quick else "small",
+                          between_jobs=1 if quick else 3, between_steps=4 if quick else 10)
     res["capture_overhead_ratio"], res["profiler_overhead_ratio"] = co["capture"]["ratio"], co["profiler"]["ratio"]
     res["capture_overhead"] = co
     say("fidelity")
@@ -316,6 +369,21 @@ def _launch_detail_rows(lo: dict) -> list[str]:
     return rows
 
 
+def _capture_detail_rows(co: dict) -> list[str]:
+    if "control" not in co:
+        return []
+    c, aa, bj = co["capture"], co["control"], co["between_jobs"]
+    span = lambda r: f"{r['pair_ratio_iqr'][0]:.3f}x - {r['pair_ratio_iqr'][1]:.3f}x"
+    return [
+        f"| capture: how | within {c['jobs']} jobs of {c['steps']} steps, logger on/off step by step; median of "
+        f"{len(c['pair_ratios'])} step pairs (middle half {span(c)}) | - | - |",
+        f"| capture: A/A control (same jobs without TORCH_LOGS: what noise alone gives) | {aa['ratio']:.3f}x "
+        f"(middle half {span(aa)}) | ~1 | - |",
+        f"| capture between whole jobs (median step, {len(bj['pair_ratios'])} job pairs; mostly job-to-job noise) "
+        f"| {bj['ratio']:.3f}x (pairs {min(bj['pair_ratios']):.3f}x - {max(bj['pair_ratios']):.3f}x) | (reported) | - |",
+    ]
+
+
 def markdown(res: dict) -> str:
     f = res["fidelity"]
     worst = max(abs(r["measured_bubble"] - r["ideal_bubble"]) for r in f) if f else float("nan")
@@ -327,6 +395,7 @@ def markdown(res: dict) -> str:
         f"| launch overhead (labkit launch / plain torchrun, whole process) | {res['launch_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['launch_overhead_ratio'] <= 1.05 else 'no'} |",
         *_launch_detail_rows(res.get("launch_overhead") or {}),
         f"| PP log capture overhead (step time, +pp to files / none) | {res['capture_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['capture_overhead_ratio'] <= 1.05 else 'no'} |",
+        *_capture_detail_rows(res.get("capture_overhead") or {}),
         f"| profiler overhead (step time, profiler / none) | {res['profiler_overhead_ratio']:.3f}x | (reported) | - |",
         f"| fidelity: worst abs(measured - ideal) bubble, {len(f)} shapes | {worst:.3f} | <= 0.05 | {'yes' if worst <= 0.05 else 'no'} |",
     ]

@@ -2,12 +2,14 @@
 
 Owns: choosing the device and backend, process-group set-up with a short timeout, clean
 teardown (barrier before destroy), per-rank peak memory, small cross-rank reductions with
-tensors (no pickling), progress lines the launcher understands, and atomic JSON writes.
+tensors (no pickling), progress lines the launcher understands, atomic JSON writes, and
+switching torch's pipelining logger on and off step by step (the capture-overhead benchmark).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -21,6 +23,27 @@ import torch
 import torch.distributed as dist
 
 PROGRESS_PREFIX = "[labkit] progress "
+PP_LOGGER = "torch.distributed.pipelining"  # what TORCH_LOGS=+pp sets to DEBUG
+
+
+def pp_logs_on_step(step: int) -> bool:
+    """The capture-overhead A/B inside one job: steps pair up (0,1), (2,3), ... and within each
+    pair one step logs and the other does not, the order alternating pair by pair (on off, off on,
+    on off, ...), so neither a warm-up trend nor drift in the machine's speed favours either side."""
+    return step % 4 in (0, 3)
+
+
+class PPLogSwitch:
+    """Turns torch's pipelining debug logs off (WARNING) and back on (the level TORCH_LOGS gave)
+    between steps. With the logger at WARNING a `logger.debug(...)` call returns at once, so an
+    "off" step costs what a job without TORCH_LOGS=+pp costs."""
+
+    def __init__(self) -> None:
+        self.logger = logging.getLogger(PP_LOGGER)
+        self.level = self.logger.level
+
+    def set(self, on: bool) -> None:
+        self.logger.setLevel(self.level if on else logging.WARNING)
 
 
 @dataclass

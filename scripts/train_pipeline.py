@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--split-points", default=None, help="comma-separated modules where stages begin, e.g. layers.3,layers.6")
     p.add_argument("--profile", action="store_true",
                    help="also record a torch.profiler trace per rank (profile/rank<N>.json in the run directory)")
+    p.add_argument("--log-ab", action="store_true",
+                   help="benchmark: PP debug logs on for half the steps and off for the other half, in "
+                        "alternating pairs (result.json: step_pp_logs)")
     p.add_argument("--out", default=None, help="run directory for result.json")
     return p.parse_args(argv)
 
@@ -60,8 +63,10 @@ def config_from_args(a: argparse.Namespace, world_size: int) -> RunConfig:
     )
 
 
-def run_steps(cfg, d, stages, schedule, x, y):
-    """Run the schedule; return per-step times, mean loss per step, and the first step's losses/grads/output."""
+def run_steps(cfg, d, stages, schedule, x, y, log_ab: bool = False):
+    """Run the schedule; return per-step times, mean loss per step, and the first step's losses/grads/output.
+
+    log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step)."""
     local = cfg.stages_of_rank(d.rank)
     has_first, has_last = 0 in local, cfg.n_stages - 1 in local
     params = [p for s in stages for p in s.submod.parameters()]
@@ -69,7 +74,10 @@ def run_steps(cfg, d, stages, schedule, x, y):
     first = {"losses": [], "grads": {}, "output": None}
     step_times, step_losses = [], []
     worker.reset_peak_memory(d.device)
+    switch = worker.PPLogSwitch() if log_ab else None
     for step in range(cfg.steps):
+        if switch:
+            switch.set(worker.pp_logs_on_step(step))
         losses: list = []
         args = (x,) if has_first else ()
         kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
@@ -85,6 +93,8 @@ def run_steps(cfg, d, stages, schedule, x, y):
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if switch:
+            switch.set(True)  # the logger as TORCH_LOGS set it for everything after the step
         if d.rank == 0:
             worker.progress(step + 1, cfg.steps)
     return step_times, step_losses, first
@@ -113,7 +123,7 @@ def main(argv=None) -> int:
     if a.profile:
         worker.annotate_stages(stages)
     with worker.maybe_profile(a.profile, d, out_dir):
-        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y)
+        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab)
     peak = worker.peak_memory_bytes(d.device)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
@@ -168,6 +178,7 @@ def main(argv=None) -> int:
             "peak_memory_kind": "cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",
             "step_time_s": per_step,
             "profiled": bool(a.profile),
+            "step_pp_logs": [worker.pp_logs_on_step(i) for i in range(cfg.steps)] if a.log_ab else None,
             "wall_time_s": time.perf_counter() - t0,
             "config": cfg.to_dict(),
         }

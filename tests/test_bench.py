@@ -1,6 +1,11 @@
 """Smoke tests of the benchmark pieces (structure and sanity, never timed asserts)."""
 
+from collections import Counter
+
+import pytest
+
 from labkit import bench
+from labkit.worker import pp_logs_on_step
 
 
 def test_parser_throughput_structure():
@@ -40,3 +45,39 @@ def test_tutorial_as_written_vs_kit_script():
            "fidelity": [], "parser_lines_per_s": {}, "parser_linearity": 1.0, "notebook_suite_s": None,
            "tutorial_vs_kit": out, "gpu": {"available": False, "reason": "none"}}
     assert f"| {out['ratio']:.3f}x |" in bench.markdown(res)
+
+
+def test_on_off_pairs_put_the_logging_step_on_top_whatever_the_order():
+    times = [9.0, 9.0, 1.1, 1.0, 2.0, 2.2, 3.3, 3.0]
+    on = [pp_logs_on_step(i) for i in range(8)]  # on off off on on off off on
+    assert on == [True, False, False, True, True, False, False, True]
+    # pairs (2,3) and (4,5), (6,7): the warm-up pair (0,1) is left out
+    assert bench._on_off_pairs(times, on) == pytest.approx([1.0 / 1.1, 2.0 / 2.2, 3.0 / 3.3])
+    with pytest.raises(ValueError, match="not an A/B pair"):
+        bench._on_off_pairs(times, [True] * 8)
+
+
+def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
+    """The in-job capture A/B is real: the rank logs hold the PP lines of the logging steps only
+    (steps 0 and 3 of 4: 2 steps x 4 microbatches forwards per stage), and step times for all."""
+    from labkit.config import RunConfig
+    from labkit.launch import REFERENCE_SCRIPT, launch
+    from labkit.pplog import timeline_from_path
+
+    cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset="tiny", steps=4)
+    r = launch(REFERENCE_SCRIPT, cfg.script_args() + ["--log-ab"], nproc=2, runs_root=runs, progress=False,
+               stream="none")
+    assert r.result["step_pp_logs"] == [True, False, False, True] and len(r.result["step_time_s"]) == 4
+    tl = timeline_from_path(r.run_dir)
+    forwards = Counter(a.stage for a in tl.compute() if a.kind == "F")
+    assert forwards == {0: 2 * 4, 1: 2 * 4}, forwards
+
+
+def test_capture_overhead_within_jobs_and_its_table_rows():
+    out = bench.capture_within_jobs(n=1, steps=6, preset="tiny")
+    # 6 steps: pairs (2,3), (4,5) of the one measured job (the warm-up job is left out)
+    assert len(out["capture"]["pair_ratios"]) == 2 and len(out["control"]["pair_ratios"]) == 2
+    assert all(x > 0 for x in out["capture"]["pair_ratios"] + out["control"]["pair_ratios"])
+    co = {**out, "between_jobs": {"ratio": 1.1, "pair_ratios": [1.1]}}
+    rows = "\n".join(bench._capture_detail_rows(co))
+    assert "A/A control" in rows and "median of 2 step pairs" in rows and "1.100x" in rows
