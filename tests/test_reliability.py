@@ -60,9 +60,13 @@ CRASH = textwrap.dedent("""
 """)
 
 # A stand-in for a Jupyter kernel: calls labkit.launch and blocks until the job ends.
+# A stand-in for a Jupyter kernel running a cell. ipykernel installs Python's default SIGINT handler
+# while a cell runs (it ignores SIGINT otherwise); so does this driver, because a shell that starts
+# the test suite in the background without job control hands SIGINT down as ignored.
 DRIVER = textwrap.dedent("""
-    import sys
+    import signal, sys
     import labkit
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         labkit.launch(sys.argv[1], nproc=2, out=sys.argv[2], progress=False, timeout=None)
     except KeyboardInterrupt:
