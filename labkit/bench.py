@@ -122,6 +122,13 @@ def _reference_job(cfg, pp_logs: bool, extra: list[str]) -> dict:
                       stream="none", pp_logs=pp_logs).result
 
 
+def _capture_config(preset: str, steps: int):
+    """The capture and profiler benchmarks' job: 1F1B, 2 ranks, 4 microbatches."""
+    from .config import RunConfig
+
+    return RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
+
+
 def capture_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> dict:
     """PP log capture's cost step by step inside each job (1F1B, 2 ranks, 4 microbatches).
 
@@ -131,9 +138,7 @@ def capture_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> d
     pair of n jobs. `control` runs the same jobs without TORCH_LOGS (an A/A test: the ratio that
     noise alone gives). Jobs of the two kinds alternate.
     """
-    from .config import RunConfig
-
-    cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
+    cfg = _capture_config(preset, steps)
 
     def in_job(pp_logs: bool) -> list[float]:
         r = _reference_job(cfg, pp_logs, ["--log-ab"])
@@ -154,10 +159,8 @@ def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between
     differ by up to +-10% here with nothing changed), so `between_jobs`, whole jobs with vs without
     capture pair by pair, is reported beside it and mostly measures that. profiler: between jobs.
     """
-    from .config import RunConfig
-
     within = capture_within_jobs(n, steps, preset)
-    cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=between_steps)
+    cfg = _capture_config(preset, between_steps)
     step_time = lambda pp_logs, profile=False: statistics.median(
         _reference_job(cfg, pp_logs, ["--profile"] if profile else [])["step_time_s"][1:])  # step 1 warms up
     logs, none_a = _pairs(lambda: step_time(True), lambda: step_time(False), between_jobs)

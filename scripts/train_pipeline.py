@@ -93,10 +93,10 @@ def run_steps(cfg, d, stages, schedule, x, y, log_ab: bool = False):
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if switch:
-            switch.set(True)  # the logger as TORCH_LOGS set it for everything after the step
         if d.rank == 0:
             worker.progress(step + 1, cfg.steps)
+    if switch:
+        switch.set(True)  # the logger as TORCH_LOGS set it for everything after the steps
     return step_times, step_losses, first
 
 

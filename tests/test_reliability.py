@@ -59,8 +59,7 @@ CRASH = textwrap.dedent("""
     main()
 """)
 
-# A stand-in for a Jupyter kernel: calls labkit.launch and blocks until the job ends.
-# A stand-in for a Jupyter kernel running a cell. ipykernel installs Python's default SIGINT handler
+# A stand-in for a Jupyter kernel running a cell: calls labkit.launch and blocks until the job ends. ipykernel installs Python's default SIGINT handler
 # while a cell runs (it ignores SIGINT otherwise); so does this driver, because a shell that starts
 # the test suite in the background without job control hands SIGINT down as ignored.
 DRIVER = textwrap.dedent("""
