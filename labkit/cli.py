@@ -7,31 +7,54 @@ before torchrun starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from .config import PRESETS, SCHEDULES, ConfigError, RunConfig
+from .config import ConfigError, RunConfig, field_docs
+
+
+def config_flags(p: argparse.ArgumentParser, cls=RunConfig) -> None:
+    """One flag per config field, named by the field's metadata (else `--field-name`), with the
+    field's docstring as help: the config class is the one owner of what a run is."""
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flags = f.metadata.get("flags", ("--" + f.name.replace("_", "-"),))
+        if not flags:
+            continue  # not for the command line (e.g. free-form extras)
+        help_ = docs.get(f.name, "")
+        if "choices" in f.metadata:
+            help_ += f" Choices: {', '.join(f.metadata['choices'])}."
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None and default is not False:
+            help_ += f" Default: {default}."
+        kw = dict(dest=f.name, default=None, help=help_.replace("%", "%%"))
+        if f.type in ("bool", bool):
+            p.add_argument(*flags, action="store_true", **{**kw, "default": False})
+            continue
+        kw["metavar"] = flags[0].lstrip("-").upper().replace("-", "_")
+        if f.type in ("int", "int | None", int):
+            p.add_argument(*flags, type=int, **kw)
+        elif f.type in ("float", "float | None", float):
+            p.add_argument(*flags, type=float, **kw)
+        elif f.type in ("list[str] | None",):
+            p.add_argument(*flags, type=lambda v: [x for x in v.split(",") if x], **{**kw, "metavar": "A,B,..."})
+        else:
+            p.add_argument(*flags, **kw)
+
+
+def config_from_flags(a: argparse.Namespace, cls=RunConfig, **fixed):
+    """The config the flags name (unset flags keep the config's defaults)."""
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)
+             if getattr(a, f.name, None) is not None}
+    return cls(**{**given, **fixed})
 
 
 def _add_run(sub) -> None:
-    p = sub.add_parser("run", help="run the reference pipelining script (tutorial Transformer) under torchrun")
-    p.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
-    p.add_argument("--nproc", type=int, default=2, help="ranks in the pipeline (pp_size)")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--split", default="manual", choices=["manual", "tracer"])
-    p.add_argument("--stages-per-rank", type=int, default=None)
-    p.add_argument("--inference", action="store_true", help="forward only (loss_fn=None)")
-    p.add_argument("--preset", default="small", choices=list(PRESETS))
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--layout", default="batch", choices=["batch", "tutorial"],
-                   help="tutorial: the official tutorial's layout (microbatches cut the sequence; fails the check)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
-    p.add_argument("--split-points", default=None,
-                   help="comma-separated modules where stages 1.. begin, e.g. layers.3,layers.6 (default: even)")
-    p.add_argument("--profile", action="store_true", help="also record a torch.profiler trace per rank")
+    p = sub.add_parser("run", help="run the reference pipelining job (tutorial Transformer) under torchrun",
+                       description="Run the reference job (python -m labkit.jobs.train) for a RunConfig made "
+                                   "from these flags; the pipelined step is checked against the unsplit model.")
+    config_flags(p)
     p.add_argument("--out", default=None, help="run directory (new or empty); default runs/<stamp>-<name>")
     _add_common(p)
 
@@ -40,6 +63,7 @@ def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="launch ANY torchrun script with the kit's run directory and logs")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this node")
     p.add_argument("--out", default=None)
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT names a module to run with python -m")
     _add_common(p)
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -67,13 +91,10 @@ def _nodes(a) -> dict:
 def cmd_run(a) -> int:
     from .launch import LaunchError, run
 
-    cfg = RunConfig(schedule=a.schedule, pp_size=a.nproc * a.nnodes, n_microbatches=a.microbatches, split=a.split,
-                    stages_per_rank=a.stages_per_rank, inference=a.inference, preset=a.preset,
-                    batch_size=a.batch_size, steps=a.steps, device=a.device, layout=a.layout, seed=a.seed,
-                    pg_timeout=a.pg_timeout,
-                    split_points=a.split_points.split(",") if a.split_points else None)
+    per_node = a.pp_size if a.pp_size is not None else RunConfig.pp_size
+    cfg = config_from_flags(a, pp_size=per_node * a.nnodes)  # --nproc is ranks per node
     try:
-        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, profile=a.profile, **_nodes(a))
+        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit run: {e}", file=sys.stderr)
         return e.run.job_exitcode
@@ -88,7 +109,7 @@ def cmd_launch(a) -> int:
 
     args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
     try:
-        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream,
+        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream, module=a.module,
                    progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit launch: {e}", file=sys.stderr)

@@ -8,6 +8,8 @@ Every error says how to fix the value (notebook 09 teaches the rules behind them
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 
 SPLIT_MODES = ("manual", "tracer")
@@ -93,34 +95,41 @@ def _positive_int(name: str, value, hint: str) -> None:
         raise ConfigError(f"{name} must be at least 1, got {value}. {hint}")
 
 
+def _flag(*flags: str, choices=None) -> dict:
+    """Field metadata for the command line (`labkit.cli` builds `labkit run`'s flags from RunConfig)."""
+    return {"flags": flags, **({"choices": tuple(choices)} if choices else {})}
+
+
 @dataclass
 class RunConfig:
-    """One run of the reference script (`scripts/train_pipeline.py`), validated on creation.
+    """One run of the reference job (`python -m labkit.jobs.train`), validated on creation.
 
-    Taught in notebooks 00, 01 and 04; `labkit run` builds one from its flags.
+    The one owner of what a run is: the job reads it back from its run directory's config.json,
+    and `labkit run`'s flags are made from these fields and their docstrings. Taught in notebooks
+    00, 01 and 04.
     """
 
-    schedule: str = "GPipe"
+    schedule: str = field(default="GPipe", metadata=_flag("--schedule", choices=SCHEDULES))
     """Schedule name, one of `SCHEDULES` (e.g. GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble)."""
-    pp_size: int = 2
-    """Ranks in the pipeline (torchrun's --nproc-per-node x nnodes)."""
-    n_microbatches: int = 4
+    pp_size: int = field(default=2, metadata=_flag("--nproc", "--pp-size"))
+    """Ranks in the pipeline (on the command line: ranks per node, times --nnodes)."""
+    n_microbatches: int = field(default=4, metadata=_flag("--microbatches", "--n-microbatches"))
     """Microbatches the batch is cut into (along the batch dimension)."""
-    split: str = "manual"
+    split: str = field(default="manual", metadata=_flag("--split", choices=SPLIT_MODES))
     """How the model is cut: `manual` (delete layers) or `tracer` (`pipeline()` + split_spec)."""
     stages_per_rank: int | None = None
     """Stages on each rank: 1 for GPipe/1F1B, 2 by default for multi-stage schedules."""
-    preset: str = "small"
-    """Model and batch sizes, one of `PRESETS`."""
+    preset: str = field(default="small", metadata=_flag("--preset", choices=PRESETS))
+    """Model and batch sizes, one of `PRESETS`: small (CPU laptops), tiny (test suites), tutorial (GPUs)."""
     batch_size: int | None = None
     """Whole-batch size; default: the preset's."""
     steps: int = 1
     """Training steps (the reference check is made on the first)."""
     inference: bool = False
     """Forward only (`loss_fn=None`): the check compares outputs instead of losses and grads."""
-    device: str = "auto"
+    device: str = field(default="auto", metadata=_flag("--device", choices=DEVICES))
     """`cuda` (nccl, one GPU per rank), `cpu` (gloo) or `auto` (cuda when there is a GPU per rank)."""
-    layout: str = "batch"
+    layout: str = field(default="batch", metadata=_flag("--layout", choices=LAYOUTS))
     """`batch`: tokens are (batch, seq) and microbatches split the batch (matches the unsplit model).
     `tutorial`: the official tutorial's layout, where microbatches split the sequence (fails the check)."""
     seed: int = 0
@@ -132,8 +141,10 @@ class RunConfig:
     split_points: list[str] | None = None
     """Modules where stages 1..n_stages-1 begin, e.g. ["layers.3", "layers.6"] (SplitPoint.BEGINNING);
     default: layers spread evenly. Used by both split modes."""
-    extra: dict = field(default_factory=dict)
-    """Free-form notes carried into result.json (never interpreted)."""
+    profile: bool = False
+    """Also record a torch.profiler trace per rank (profile/rank<N>.json in the run directory)."""
+    extra: dict = field(default_factory=dict, metadata={"flags": ()})
+    """Free-form notes carried into result.json (never interpreted; no command-line flag)."""
 
     def __post_init__(self) -> None:
         info = schedule_info(self.schedule)
@@ -230,27 +241,22 @@ class RunConfig:
             raise ConfigError(f"Unknown config keys {sorted(unknown)}; known keys: {sorted(names)}.")
         return cls(**d)
 
-    def script_args(self) -> list[str]:
-        """The reference script's command-line flags for this config."""
-        args = [
-            "--schedule", self.schedule,
-            "--microbatches", str(self.n_microbatches),
-            "--split", self.split,
-            "--stages-per-rank", str(self.stages_per_rank),
-            "--preset", self.preset,
-            "--batch-size", str(self.batch_size),
-            "--steps", str(self.steps),
-            "--device", self.device,
-            "--layout", self.layout,
-            "--seed", str(self.seed),
-            "--pg-timeout", str(self.pg_timeout),
-            "--tolerance", str(self.tolerance),
-        ]
-        if self.inference:
-            args.append("--inference")
-        if self.split_points:
-            args += ["--split-points", ",".join(self.split_points)]
-        return args
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "RunConfig":
+        """The config a launch wrote into a run directory's config.json (or that file's path)."""
+        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(p) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"No config at {p}: the kit's jobs read their RunConfig from the run directory's "
+                              f"config.json, which `labkit run` writes. Launch through `labkit run`, or pass "
+                              f"--config PATH.") from None
+        return cls.from_dict(data)
 
 
 def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | None, inference: bool = False) -> int:
@@ -318,3 +324,20 @@ def layer_bounds(n_layers: int, n_stages: int) -> list[int]:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its docstring} of a dataclass (the string right under each field), read from the source:
+    the command line's help comes from here, so a field is documented once."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -52,3 +52,97 @@ def grad_diff(modules: list[nn.Module], grads: dict[str, torch.Tensor], ref: Ref
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
             numel += p.numel()
     return worst, numel
+
+
+@dataclass
+class Check:
+    """A pipelined step held against the unsplit model, as every rank sees it (the result of `check_step`)."""
+
+    ok: bool
+    max_abs_diff: float
+    compared: int
+    """Parameter elements whose gradients were compared, over all ranks."""
+    expected: int
+    """Parameter elements of the unsplit model (all must be compared, unless forward-only)."""
+    losses: list[float]
+    """The pipelined per-microbatch losses (from the rank that holds the last stage)."""
+    reference_losses: list[float]
+    max_abs_diff_losses: float
+    max_abs_diff_grads: float
+    max_abs_diff_outputs: float
+    tolerance: float
+    extras: list[list[float]]
+    """Each rank's `extra` floats, in rank order (e.g. step times, peak memory)."""
+
+    @property
+    def failure(self) -> str | None:
+        if self.ok:
+            return None
+        if self.compared != self.expected and self.reference_losses:
+            return f"gradients compared for {self.compared} of {self.expected} parameters"
+        if self.max_abs_diff == float("inf"):
+            return ("a loss or gradient is missing: pass the `losses` list that schedule.step filled, and "
+                    "check before the optimizer step or zero_grad")
+        return f"reference mismatch: max abs diff {self.max_abs_diff:.3g} > tolerance {self.tolerance:g}"
+
+    def verdict(self) -> str:
+        return (f"{'matches' if self.ok else 'DOES NOT match'} the unsplit model (max abs diff "
+                f"{self.max_abs_diff:.2e}, tolerance {self.tolerance:g})")
+
+
+def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Tensor]:
+    """The stages' gradients under the unsplit model's parameter names. `prefix_stage_index`: the
+    stage modules are the children of an nn.Sequential, so a name is `<stage>.<name in the stage>`."""
+    return {(f"{s.stage_index}.{n}" if prefix_stage_index else n): p.grad.detach().clone()
+            for s in stages for n, p in s.submod.named_parameters() if p.grad is not None}
+
+
+def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
+               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
+               device=None) -> Check:
+    """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
+    (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
+
+    stages: this rank's PipelineStages; losses: the `losses` list the schedule filled (last stage);
+    grads: the gradients to compare (default: the stages' gradients now, `stage_grads`);
+    loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead.
+    Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
+    """
+    from . import worker
+
+    device = device if device is not None else (stages[0].device if stages else "cpu")
+    has_last = any(s.is_last for s in stages)
+    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device)
+    gmax = ldiff = odiff = 0.0
+    numel = 0
+    if loss_fn is None:
+        if has_last:
+            odiff = float((output.to(ref.output.device) - ref.output).abs().max())
+    else:
+        if grads is None:
+            grads = stage_grads(stages, prefix_stage_index)
+        if prefix_stage_index:
+            named = nn.Module()
+            for s in stages:
+                named.add_module(str(s.stage_index), s.submod)
+            modules = [named]
+        else:
+            modules = [s.submod for s in stages]
+        gmax, numel = grad_diff(modules, grads, ref)
+        if has_last:
+            mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses]
+            ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
+            if len(mine) != len(ref.losses):
+                ldiff = float("inf")
+    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra], device)
+    last_rank = min(r for r, v in enumerate(per_rank) if v[4])
+    pipelined = [] if loss_fn is None else worker.broadcast_floats(
+        [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else None,
+        n_microbatches, last_rank, device)
+    gmax, ldiff, odiff = (max(r[i] for r in per_rank) for i in (0, 2, 3))
+    compared = int(sum(r[1] for r in per_rank))
+    expected = sum(p.numel() for p in full.parameters())
+    diff = odiff if loss_fn is None else max(gmax, ldiff)
+    complete = loss_fn is None or compared == expected
+    return Check(bool(diff <= tolerance and complete), diff, compared, expected, pipelined, ref.losses,
+                 ldiff, gmax, odiff, tolerance, [r[5:] for r in per_rank])

@@ -8,7 +8,7 @@ on a port the OS chooses. gloo's listeners follow `GLOO_SOCKET_IFNAME=lo`, set b
 
 torchrun finds the handler through the `torchrun.handlers` entry point declared in pyproject.toml.
 Multi-node jobs cannot be loopback-only; they use torchrun's static rendezvous on the endpoint given
-(node 0 hosts it; see `launch.torchrun_command`).
+(node 0 hosts it; see `labkit.launching.command.torchrun_command`).
 """
 
 from __future__ import annotations

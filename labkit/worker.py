@@ -1,4 +1,4 @@
-"""Helpers for code that runs *inside* a torchrun rank (the scripts in `scripts/` use these).
+"""Helpers for code that runs *inside* a torchrun rank (the jobs in `labkit.jobs` and live ranks use these).
 
 Owns: choosing the device and backend, process-group set-up with a short timeout, clean
 teardown (barrier before destroy), per-rank peak memory, small cross-rank reductions with
@@ -72,21 +72,12 @@ def choose_device(requested: str, local_rank: int, local_world_size: int) -> tor
     return torch.device("cpu")
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this rank when its torchrun agent dies (even by SIGKILL): no orphans."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
-    """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout."""
-    die_with_parent()
+    """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout. The rank
+    gets SIGTERM when its torchrun agent dies (even by SIGKILL): no orphans."""
+    from .launching.processes import set_parent_death_signal
+
+    set_parent_death_signal()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -230,3 +221,24 @@ def write_json(path: str | os.PathLike, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
     os.replace(tmp, path)
+
+
+def run_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where a job writes: `override`, else the run directory the launcher set ($LABKIT_RUN_DIR), else here."""
+    return Path(override or os.environ.get("LABKIT_RUN_DIR") or ".")
+
+
+def write_result(out_dir: str | os.PathLike, d: "DistInfo", check, **fields) -> None:
+    """result.json of a kit job (rank 0): the job's own fields, the reference check, versions and device."""
+    import platform
+
+    write_json(Path(out_dir) / "result.json", {
+        "status": "ok" if check.ok else "failed", "failure": check.failure, **fields,
+        "losses": check.losses, "reference_losses": check.reference_losses,
+        "reference_match": check.ok, "max_abs_diff": check.max_abs_diff, "tolerance": check.tolerance,
+        "max_abs_diff_losses": check.max_abs_diff_losses, "max_abs_diff_grads": check.max_abs_diff_grads,
+        "max_abs_diff_outputs": check.max_abs_diff_outputs,
+        "compared_param_elements": check.compared, "model_param_elements": check.expected,
+        "device": str(d.device), "backend": d.backend, "torch": torch.__version__,
+        "python": platform.python_version(),
+    })

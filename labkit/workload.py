@@ -17,6 +17,8 @@ unsplit model on the whole batch, with the timing switched off for the reference
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -76,7 +78,8 @@ class TimedBlock(nn.Module):
 
 @dataclass
 class WorkloadConfig:
-    """A run of `scripts/controlled_pipeline.py`; validated like RunConfig (same schedule rules)."""
+    """A run of the controlled job (`python -m labkit.jobs.controlled`); validated like RunConfig
+    (the same schedule rules, from labkit.config). The job reads it from its run directory's config.json."""
 
     schedule: str = "GPipe"
     pp_size: int = 2
@@ -95,6 +98,8 @@ class WorkloadConfig:
     batch_size: int | None = None
     steps: int = 1
     seed: int = 0
+    profile: bool = False
+    """Also record a torch.profiler trace per rank (exact compute spans)."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,18 +136,14 @@ class WorkloadConfig:
         k = self.slow_factor if stage == self.slow_stage else 1.0
         return self.fwd_ms * k, self.bwd_ms * k / 2, self.bwd_ms * k / 2
 
-    def script_args(self) -> list[str]:
-        a = ["--schedule", self.schedule, "--microbatches", str(self.n_microbatches),
-             "--stages-per-rank", str(self.stages_per_rank), "--fwd-ms", str(self.fwd_ms),
-             "--bwd-ms", str(self.bwd_ms), "--mode", self.mode, "--dim", str(self.dim),
-             "--batch-size", str(self.batch_size), "--steps", str(self.steps), "--seed", str(self.seed),
-             "--slow-factor", str(self.slow_factor)]
-        if self.slow_stage is not None:
-            a += ["--slow-stage", str(self.slow_stage)]
-        return a
-
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "WorkloadConfig":
+        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(p) as f:
+            return cls(**json.load(f))
 
 
 def stage_module(cfg: WorkloadConfig, stage: int) -> nn.Module:
@@ -166,54 +167,14 @@ def mse(out, target):
 
 
 def run_controlled(cfg: WorkloadConfig | None = None, **kwargs):
-    """Launch `scripts/controlled_pipeline.py` through the kit; kwargs not of WorkloadConfig go to `launch`."""
-    from .launch import REPO_ROOT, launch
+    """Launch the controlled job (`labkit.jobs.controlled`); kwargs not of WorkloadConfig go to `launch`."""
+    from .launch import launch
 
     fields = set(WorkloadConfig.__dataclass_fields__)
     if cfg is None:
         cfg = WorkloadConfig(**{k: v for k, v in kwargs.items() if k in fields})
+    elif any(k in fields for k in kwargs):
+        cfg = WorkloadConfig(**{**cfg.to_dict(), **{k: v for k, v in kwargs.items() if k in fields}})
     launch_kw = {k: v for k, v in kwargs.items() if k not in fields}
     launch_kw.setdefault("name", f"controlled-{cfg.schedule}-p{cfg.pp_size}-m{cfg.n_microbatches}-{cfg.mode}")
-    profile = launch_kw.pop("profile", False)  # torch.profiler traces with exact compute spans
-    return launch(REPO_ROOT / "scripts" / "controlled_pipeline.py", cfg.script_args() + (["--profile"] if profile else []),
-                  nproc=cfg.pp_size, config=cfg.to_dict(), **launch_kw)
-
-
-@dataclass
-class Check:
-    """The reference check of a controlled-workload step, as every rank sees it."""
-
-    ok: bool
-    max_abs_diff: float
-    compared: int
-    expected: int
-    reference_losses: list
-    extras: list
-    """Each rank's `extra` floats, in rank order."""
-
-
-def stage_grads(stages) -> dict:
-    """The stages' gradients under the full model's names (stage modules are nn.Sequential children)."""
-    return {f"{s.stage_index}.{n}": p.grad.detach().clone() for s in stages for n, p in s.submod.named_parameters()
-            if p.grad is not None}
-
-
-def check_step(full: nn.Sequential, stages, grads: dict, losses: list, x, y, n_microbatches: int, has_last: bool,
-               device, extra=(), tolerance: float = 1e-5) -> Check:
-    """Collective (call on every rank): one step's grads and losses vs the unsplit model on the whole batch."""
-    from . import worker
-    from .reference import grad_diff, whole_batch_reference
-
-    TimedBlock.timing = False  # the reference runs the same maths without spending the time
-    ref = whole_batch_reference(full, x, y, n_microbatches, mse)
-    named = nn.Module()
-    for s in stages:
-        named.add_module(str(s.stage_index), s.submod)
-    gmax, numel = grad_diff([named], grads, ref)
-    ldiff = max((abs(float(l) - r) for l, r in zip(losses, ref.losses)), default=0.0) if has_last else 0.0
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, *extra], device)
-    diff = max(max(r[0] for r in per_rank), max(r[2] for r in per_rank))
-    compared = int(sum(r[1] for r in per_rank))
-    expected = sum(p.numel() for p in full.parameters())
-    return Check(diff <= tolerance and compared == expected, diff, compared, expected, ref.losses,
-                 [r[3:] for r in per_rank])
+    return launch("labkit.jobs.controlled", module=True, nproc=cfg.pp_size, config=cfg.to_dict(), **launch_kw)

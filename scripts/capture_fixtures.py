@@ -127,8 +127,7 @@ def capture_default(c: Capture, dest: Path) -> dict:
                     preset="tiny", steps=c.steps, inference=c.inference)
     env = dict(os.environ)
     env.pop("TORCH_LOGS_FORMAT", None)
-    env.update(TORCH_LOGS="+pp", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    env.update(TORCH_LOGS="+pp", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("LABKIT_RUN_DIR", None)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pplog-capture-") as tmp:
@@ -140,9 +139,10 @@ def capture_default(c: Capture, dest: Path) -> dict:
             if c.tee == "rank":
                 env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
                 shown = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:' " + shown
-        args = cfg.script_args() + ["--out", tmp]
-        argv += [str(REPO / "scripts" / "train_pipeline.py"), *args]
-        shown += " scripts/train_pipeline.py " + shlex.join(args[:-1] + ["DIR"]) + " > combined.log 2>&1"
+        cfg.to_json(Path(tmp) / "config.json")
+        args = ["--config", str(Path(tmp) / "config.json"), "--out", tmp]
+        argv += ["-m", "labkit.jobs.train", *args]
+        shown += " -m labkit.jobs.train --config DIR/config.json --out DIR > combined.log 2>&1"
         combined = Path(tmp) / "combined.log"
         with open(combined, "wb") as out:
             proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

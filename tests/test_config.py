@@ -60,11 +60,41 @@ def test_layer_bounds_cover_all_layers_evenly():
     assert b[0] == 0 and b[-1] == 8 and all(b[i] < b[i + 1] for i in range(3))
 
 
-def test_script_args_round_trip():
-    from scripts_import import parse_and_build
+def test_config_json_round_trip(tmp_path):
+    """The job reads its RunConfig back from the run directory's config.json: nothing is lost on the way."""
+    cfg = RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, split="tracer", steps=2,
+                    split_points=["layers.2", "layers.4", "layers.6"], tolerance=1e-3, profile=True)
+    cfg.to_json(tmp_path / "config.json")
+    assert RunConfig.from_json(tmp_path) == cfg == RunConfig.from_json(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="config.json"):
+        RunConfig.from_json(tmp_path / "missing")
 
-    cfg = RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, split="tracer", steps=2)
-    assert parse_and_build(cfg.script_args(), world_size=2) == cfg
+
+def test_every_config_field_has_a_flag_with_its_docstring_as_help():
+    """`labkit run`'s flags are made from RunConfig's fields: each field (free-form extras aside) has one,
+    with the field's docstring as help, and the flags give back the config they name."""
+    import argparse
+    import dataclasses
+
+    from labkit.cli import build_parser, config_from_flags
+    from labkit.config import field_docs
+
+    run_parser = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    by_dest = {a.dest: a for a in run_parser._actions}
+    docs = field_docs(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "extra":
+            assert f.name not in by_dest
+            continue
+        assert f.name in by_dest, f"RunConfig.{f.name} has no flag"
+        assert docs[f.name] and by_dest[f.name].help.startswith(docs[f.name][:30]), f.name
+    assert "--tolerance" in by_dest["tolerance"].option_strings and "--nproc" in by_dest["pp_size"].option_strings
+    a = run_parser.parse_args(["--schedule", "ZBVZeroBubble", "--nproc", "2", "--microbatches", "8", "--tolerance",
+                               "0.001", "--split-points", "layers.2,layers.4,layers.6", "--profile"])
+    assert config_from_flags(a) == RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, tolerance=1e-3,
+                                             split_points=["layers.2", "layers.4", "layers.6"], profile=True)
+    assert config_from_flags(run_parser.parse_args([])) == RunConfig()
+    assert isinstance(run_parser, argparse.ArgumentParser)
 
 
 def test_1f1b_needs_as_many_microbatches_as_stages():

@@ -25,11 +25,8 @@ def test_measured_bubble_matches_theory_at_pp2(schedule, runs):
 
 
 def test_logs_and_profiler_agree_on_the_same_run(runs):
-    from labkit.launch import REPO_ROOT, launch
-
-    cfg = WorkloadConfig(schedule="1F1B", pp_size=2, n_microbatches=4, fwd_ms=30, bwd_ms=60)
-    r = launch(REPO_ROOT / "scripts" / "controlled_pipeline.py", cfg.script_args() + ["--profile"], nproc=2,
-               runs_root=runs, progress=False, stream="none")
+    cfg = WorkloadConfig(schedule="1F1B", pp_size=2, n_microbatches=4, fwd_ms=30, bwd_ms=60, profile=True)
+    r = run_controlled(cfg, runs_root=runs, progress=False, stream="none")
     logs, prof = load_timeline(r.run_dir, "logs"), load_timeline(r.run_dir, "profiler")
     assert logs.counts() == prof.counts() == {(s, k): 4 for s in (0, 1) for k in ("F", "B")}
     assert abs(logs.metrics()["bubble_fraction"] - prof.metrics()["bubble_fraction"]) <= 0.03

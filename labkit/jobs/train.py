@@ -1,0 +1,141 @@
+"""The reference job: train the tutorial's Transformer with torch.distributed.pipelining.
+
+    labkit run --schedule 1F1B --nproc 2 --microbatches 4 --split manual --out runs/demo
+    torchrun --nproc-per-node 2 -m labkit.jobs.train --config runs/demo/config.json
+
+Reads its `RunConfig` from the run directory's config.json (`labkit run` writes it; `--config`
+names another). Every rank builds the same full model (same seed), keeps its stages (manual or
+tracer split), runs `steps` steps of the schedule, and checks the FIRST step against one
+forward/backward of the unsplit model on the whole batch (`labkit.reference.check_step`). Rank 0
+writes result.json into the run directory. Exit codes: 0 ok, 2 bad configuration, 3 the
+reference check failed. Taught in notebooks 00 and 04.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .. import worker
+from ..config import ConfigError, RunConfig
+from ..model import build_model, make_batch, tokenwise_loss_fn
+from ..reference import check_step
+from ..stages import build_schedule, build_stages
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="config.json to read (default: the run directory's)")
+    p.add_argument("--out", default=None, help="where result.json goes (default: $LABKIT_RUN_DIR, else .)")
+    p.add_argument("--log-ab", action="store_true",
+                   help="benchmark: PP debug logs on for half the steps and off for the other half, in "
+                        "alternating pairs (result.json: step_pp_logs)")
+    return p.parse_args(argv)
+
+
+def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
+    cfg = RunConfig.from_json(a.config or worker.run_dir())
+    if cfg.pp_size != world_size:
+        raise ConfigError(f"config.json says pp_size {cfg.pp_size} but torchrun started {world_size} ranks: "
+                          f"launch with --nproc-per-node {cfg.pp_size} (labkit run does this for you).")
+    return cfg
+
+
+def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False):
+    """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
+
+    log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step)."""
+    has_first, has_last = stages[0].is_first or any(s.is_first for s in stages), any(s.is_last for s in stages)
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
+    first = {"losses": [], "grads": None, "output": None}
+    step_times, step_losses = [], []
+    worker.reset_peak_memory(d.device)
+    switch = worker.PPLogSwitch() if log_ab else None
+    for step in range(cfg.steps):
+        if switch:
+            switch.set(worker.pp_logs_on_step(step))
+        losses: list = []
+        args = (x,) if has_first else ()
+        kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
+        with worker.timed(d.device) as elapsed:
+            out = schedule.step(*args, **kwargs)
+        step_times.append(elapsed())
+        if step == 0:
+            from ..reference import stage_grads
+
+            first = {"losses": list(losses), "grads": stage_grads(stages),
+                     "output": out.detach() if (has_last and out is not None) else None}
+        step_losses.append(sum(float(l.detach()) for l in losses) / len(losses) if losses else float("nan"))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if d.rank == 0:
+            worker.progress(step + 1, cfg.steps)
+    if switch:
+        switch.set(True)  # the logger as TORCH_LOGS set it for everything after the steps
+    return step_times, step_losses, first
+
+
+@record
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    worker.quiet_warnings()
+    try:
+        cfg = load_config(a, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"[labkit] configuration error: {e}", file=sys.stderr)
+        return 2
+    out_dir = worker.run_dir(a.out)
+    d = worker.init_distributed(cfg.device, cfg.pg_timeout)
+    t0 = time.perf_counter()
+
+    full = build_model(cfg)  # same weights on every rank (seeded), kept on CPU as the reference
+    stages, stage_builder = build_stages(cfg, full, d.rank, d.device)
+    loss_fn = None if cfg.inference else tokenwise_loss_fn
+    schedule = build_schedule(cfg, stages, loss_fn)
+    x, y = make_batch(cfg, d.device)
+
+    if cfg.profile:
+        worker.annotate_stages(stages)
+    with worker.maybe_profile(cfg.profile, d, out_dir):
+        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab)
+    peak = worker.peak_memory_bytes(d.device)
+
+    # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
+    check = check_step(full, stages, x, y, first["losses"], cfg.n_microbatches, loss_fn, grads=first["grads"],
+                       output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
+                       device=d.device)
+    has_last = any(s.is_last for s in stages)
+    last_rank = next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r))
+    step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)
+
+    if d.rank == 0:
+        result = dict(
+            schedule=cfg.schedule, pp_size=cfg.pp_size, n_stages=cfg.n_stages,
+            stages_per_rank=cfg.stages_per_rank, n_microbatches=cfg.n_microbatches,
+            stage_placement=[cfg.stages_of_rank(r) for r in range(cfg.pp_size)],
+            split=cfg.split, stage_builder=stage_builder, inference=cfg.inference,
+            layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size,
+            step_losses=[] if cfg.inference else step_losses,
+            peak_memory_bytes=[int(r[0]) for r in check.extras],
+            peak_memory_kind="cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",
+            step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
+            profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
+        )
+        if a.log_ab:  # which steps logged (the capture-overhead benchmark)
+            result["step_pp_logs"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
+        worker.write_result(out_dir, d, check, **result)
+        print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks, {cfg.n_stages} stages, {cfg.n_microbatches} "
+              f"microbatches: pipelined step {check.verdict()}", flush=True)
+    worker.teardown()
+    return 0 if check.ok else 3
+
+
+if __name__ == "__main__":
+    worker.exit_now(main())

@@ -1,0 +1,93 @@
+"""What a launch runs: the torchrun argv (never a shell string), the ranks' environment, and the
+checks made before anything starts (nodes, one GPU per rank).
+
+Single-node jobs rendezvous on 127.0.0.1 on an OS-chosen port (`labkit.rendezvous`); multi-node
+jobs use torchrun's static rendezvous, so `--node-rank` decides global ranks. The kit's own jobs
+run as modules of the installed package (`-m labkit.jobs.train`): nothing reads the repository's
+folders and no PYTHONPATH is edited. Taught in notebook 00.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..clean import OWNER_VAR, RUN_DIR_VAR, owner_token
+from ..config import ConfigError
+from ..rendezvous import BACKEND_NAME
+
+# The pipelining logger at DEBUG, with microsecond timestamps (Python's default gives whole ms).
+PP_LOG_FORMAT = "%(created).6f %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
+DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_TIMEOUT", "900"))  # a hung lab job ends within 15 minutes
+
+
+def torchrun_command(entry: str | os.PathLike, script_args: list[str], nproc: int, run_dir: Path,
+                     nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+                     rdzv_id: str | None = None, module: bool = False) -> list[str]:
+    """argv for torchrun: `entry` is a script path, or a module name with `module=True`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        if os.environ.get("LABKIT_RDZV") == "standalone":  # escape hatch: torchrun's own (all interfaces)
+            cmd += ["--standalone", "--nnodes", "1"]
+        else:  # loopback-only stores on an OS-chosen port (labkit.rendezvous)
+            cmd += ["--nnodes", "1", "--rdzv-backend", BACKEND_NAME, "--rdzv-endpoint", "127.0.0.1:0",
+                    "--rdzv-id", f"labkit-{run_dir.name}", "--local-addr", "127.0.0.1"]
+    else:
+        if not rdzv_endpoint:
+            raise ConfigError("A multi-node job needs a rendezvous endpoint HOST:PORT reachable from every node.")
+        # static, not c10d: c10d ignores --node-rank and numbers nodes by the order it sorts them in, so
+        # global rank 0 (and its result.json) could land on any node. Static honours --node-rank: node 0
+        # hosts the store at the endpoint and holds ranks 0..nproc-1.
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or f"labkit-{rdzv_endpoint}"]
+    cmd += ["--nproc-per-node", str(nproc), "--max-restarts", "0",
+            "--log-dir", str(run_dir / "logs"), "--redirects", "3"]
+    cmd += ["-m", str(entry)] if module else [str(entry)]
+    return cmd + list(script_args)
+
+
+def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, single_node: bool = True) -> dict:
+    """The ranks' environment: loopback gloo, unbuffered output, stack dumps, the kit's markers, PP logs."""
+    env = dict(os.environ)
+    if single_node and sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listeners on loopback only
+    env["PYTHONUNBUFFERED"] = "1"  # rank output reaches the files (and the cell) line by line
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stack into the rank's stderr.log
+    env[RUN_DIR_VAR] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells jobs where to write
+    env[OWNER_VAR] = owner_token()  # who launched it: when that process dies, its ranks are orphans
+    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick anyway, without its warning
+    if pp_logs:
+        env["TORCH_LOGS"] = "+pp"
+        env["TORCH_LOGS_FORMAT"] = PP_LOG_FORMAT
+    env.update(extra or {})
+    return env
+
+
+def validate_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    for name, v, lo in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name} must be a whole number >= {lo}, got {v!r}.")
+    if node_rank >= nnodes:
+        raise ConfigError(f"node_rank {node_rank} must be below nnodes {nnodes} (nodes are numbered from 0).")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError("A multi-node job needs --rdzv-endpoint HOST:PORT (the first node's address, reachable "
+                          "from every node); run the same command on each node with its own --node-rank.")
+    if rdzv_endpoint is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--rdzv-endpoint must look like HOST:PORT (e.g. node001:29400), got {rdzv_endpoint!r}.")
+
+
+def preflight_device(device: str, nproc: int) -> None:
+    """`--device cuda` needs a GPU per local rank (NCCL refuses two ranks on one GPU): say so before launching."""
+    if device != "cuda":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < nproc:
+        raise ConfigError(
+            f"--device cuda with {nproc} ranks on this node needs {nproc} GPUs, but {gpus} are visible "
+            f"(NCCL refuses two ranks on one GPU). Use --nproc {max(gpus, 1)} with a multi-stage schedule "
+            f"(all stages on one rank), or --device cpu.")

@@ -1,0 +1,127 @@
+"""Why a job failed: which rank failed first and with what, where each rank was at a deadline.
+
+Reads what torchrun leaves (per-rank error.json from @record, the launcher's failure summary) and
+the faulthandler dumps in the rank logs. Also the one parser of Python stack frames (notebook 09
+reads a hung job's stacks with it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from .rundir import TAIL_LINES, Run
+
+# A frame line of a faulthandler dump: `  File "x.py", line 12 in f`.
+FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
+
+# Errors that only echo another rank's crash (the peer hung up): never the root cause if another exists.
+_CONSEQUENCE = re.compile(r"Connection closed by peer|remote worker crashing|Connection reset by peer|Broken pipe|"
+                          r"NCCL communicator was aborted|SignalException|Socket Timeout", re.I)
+
+
+def stack_frames(text: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of every frame line in a faulthandler dump, innermost first."""
+    return [(m.group(1), int(m.group(2)), m.group(3)) for m in map(FRAME.match, text.splitlines()) if m]
+
+
+def rank_errors(run_dir: Path) -> dict[int, dict]:
+    """torchrun's per-rank error.json files (written by @record when a rank raises)."""
+    out = {}
+    for f in run_dir.glob("logs/*/attempt_*/*/error.json"):
+        try:
+            data = json.loads(f.read_text())
+            out[int(f.parent.name)] = data.get("message", data)
+        except (ValueError, OSError):
+            continue
+    return out
+
+
+def failed_ranks_from_launcher(text: str) -> dict[int, int]:
+    """{rank: exitcode} from torchrun's failure summary."""
+    found = {}
+    for m in re.finditer(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n){0,3}?\s*exitcode\s*:\s*(-?\d+)", text):
+        found[int(m.group(1))] = int(m.group(2))
+    return found
+
+
+def _root_cause_from_launcher(text: str) -> int | None:
+    m = re.search(r"Root Cause[^\n]*\n(?:[^\n]*\n){0,4}?\s*rank\s*:\s*(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def launcher_text(run_dir: Path) -> str:
+    p = run_dir / "launcher.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def first_failure(run: Run) -> tuple[int | None, str]:
+    """The rank that failed first, and its last error line: its own exception beats a peer's echo of it."""
+    errors = rank_errors(run.run_dir)
+    launcher = launcher_text(run.run_dir)
+    codes = failed_ranks_from_launcher(launcher)
+    root = _root_cause_from_launcher(launcher)
+
+    def text(r) -> str:
+        e = errors[r]
+        if isinstance(e, dict):
+            return str(e.get("message") or e.get("extraInfo", {}).get("py_callstack") or e)
+        return str(e)
+
+    def stamp(r) -> int:
+        e = errors[r]
+        ts = e.get("extraInfo", {}).get("timestamp", "0") if isinstance(e, dict) else "0"
+        return int(ts) if str(ts).isdigit() else 0
+
+    if errors:
+        rank = min(errors, key=lambda r: (bool(_CONSEQUENCE.search(text(r))), r != root, stamp(r), r))
+        lines = [l for l in text(rank).strip().splitlines() if l.strip()]
+        return rank, lines[-1].strip() if lines else "raised an exception"
+    if codes:
+        rank = root if root in codes else min((r for r, c in codes.items() if c != -15), default=min(codes))
+        return rank, f"exited with code {codes[rank]}"
+    return None, "torchrun failed before any rank reported (see launcher.log)"
+
+
+def stack_report(run: Run) -> dict[int, str]:
+    """From each rank's faulthandler dump: its innermost frame, and the innermost frame outside libraries.
+    Writes every dump into the run directory's stacks.txt."""
+    where = {}
+    dumps = []
+    for rank in range(run.nproc):
+        text = run.log(rank, "stderr")
+        i = text.rfind("Fatal Python error")
+        if i < 0:
+            where[rank] = "no stack dump (the rank had already exited)"
+            continue
+        dump = text[i:]
+        dumps.append(f"=== rank {rank} ===\n{dump}")
+        current = dump[dump.find("Current thread"):] if "Current thread" in dump else dump
+        frames = stack_frames(current)
+        if not frames:
+            where[rank] = "stack dump has no Python frames"
+            continue
+        inner = frames[0]
+        user = next((f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]), inner)
+        where[rank] = f"{user[0]}:{user[1]} in {user[2]}" + (
+            f" (innermost: {Path(inner[0]).name}:{inner[1]} in {inner[2]})" if user != inner else "")
+    if dumps:
+        (run.run_dir / "stacks.txt").write_text("\n".join(dumps))
+    return where
+
+
+def error_message(run: Run, headline: str) -> str:
+    """The headline, the exact command, and the tail of the failing rank's log (or of launcher.log)."""
+    parts = [headline, f"Command: {shlex.join(run.command)}", f"Run directory: {run.run_dir}"]
+    if run.failed_rank is not None:
+        parts.append(f"Last lines of rank {run.failed_rank}'s log ({run.rank_dir(run.failed_rank)}):")
+        parts.append(run.tail(run.failed_rank) or "(empty)")
+    elif run.status == "timeout":
+        parts.append("Every rank's stack: stacks.txt in the run directory.")
+    else:
+        parts.append("Last lines of launcher.log:")
+        text = launcher_text(run.run_dir)
+        parts.append("\n".join(text.splitlines()[-TAIL_LINES:]) if text else "(empty)")
+    return "\n".join(parts)

@@ -1,0 +1,71 @@
+"""Process control for launched jobs: parent-death signals, finding a job's ranks, ending them all.
+
+torchrun starts every worker in its own session, so ending the agent alone can orphan the ranks:
+`stop_job` ends the agent and every rank it started, `die_with_parent` (the agent) and
+`set_parent_death_signal` (each rank) make them exit when whoever started them dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+from ..clean import kill_all
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL): no orphans."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def die_with_parent() -> None:
+    """preexec_fn for the torchrun agent: its own session (Jupyter's interrupt reaches it only through
+    the kit), and SIGTERM if the launching process dies (a kernel killed hard)."""
+    os.setsid()
+    set_parent_death_signal(signal.SIGTERM)
+
+
+def descendants(pid: int) -> list:
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
+
+
+def stop_job(proc: subprocess.Popen, known: dict, grace: float = 5.0, dump_stacks: bool = False) -> None:
+    """End torchrun and every worker it started (workers live in their own sessions).
+
+    dump_stacks: first SIGABRT every rank (PYTHONFAULTHANDLER=1 writes all threads' stacks to its
+    stderr.log) while the agent is frozen, so no rank is killed halfway through its dump."""
+    import psutil
+
+    workers = list({w.pid: w for w in list(known.values()) + descendants(proc.pid)}.values())
+    if dump_stacks and proc.poll() is None:
+        proc.send_signal(signal.SIGSTOP)
+        for w in workers:
+            try:
+                w.send_signal(signal.SIGABRT)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(workers, timeout=5)  # SIGABRT is fatal once the stacks are written
+        proc.send_signal(signal.SIGCONT)
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)  # torchrun forwards SIGTERM to its workers
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    kill_all(workers, grace)

@@ -1,0 +1,138 @@
+"""Run directories and the `Run` record: what a launch leaves behind, and where.
+
+A run directory holds `command.json` / `command.txt` (the exact argv), `config.json`,
+`launcher.log` (torchrun's own output), `logs/<id>/attempt_0/<rank>/{stdout,stderr}.log` (the
+pipelining logger at DEBUG in stderr), `result.json` (written by the job) and `run.json` (status,
+return code, wall time, failing rank). Run directories are never overwritten. Taught in notebook 00.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from ..config import ConfigError
+
+DEFAULT_RUNS_ROOT = "runs"
+TAIL_LINES = 30
+
+
+class LaunchError(RuntimeError):
+    """A job that failed: names the rank, the command and the tail of that rank's log."""
+
+    def __init__(self, message: str, run: "Run"):
+        super().__init__(message)
+        self.run = run
+
+
+@dataclass
+class Run:
+    """What a launch left behind. `result` is the job's result.json (None if it wrote none)."""
+
+    run_dir: Path
+    command: list[str]
+    nproc: int
+    status: str = "running"  # ok | failed | interrupted | timeout
+    returncode: int | None = None
+    wall_time_s: float = 0.0
+    result: dict | None = None
+    failed_rank: int | None = None
+    error: str | None = None
+    rank_exitcodes: dict = field(default_factory=dict)
+    """{rank: exit code} for the ranks torchrun reported as failed."""
+
+    @property
+    def job_exitcode(self) -> int:
+        """The failing rank's own exit code (torchrun itself always exits 1); 0 when all went well."""
+        if self.returncode == 0:
+            return 0
+        code = self.rank_exitcodes.get(self.failed_rank)
+        return code if isinstance(code, int) and code > 0 else (self.returncode or 1)
+
+    def rank_dir(self, rank: int) -> Path | None:
+        """torchrun's per-rank log folder (`logs/<id>/attempt_<n>/<rank>`), newest attempt."""
+        hits = sorted(self.run_dir.glob(f"logs/*/attempt_*/{rank}"))
+        return hits[-1] if hits else None
+
+    def log_path(self, rank: int, stream: str = "stderr") -> Path | None:
+        d = self.rank_dir(rank)
+        return d / f"{stream}.log" if d else None
+
+    def log(self, rank: int, stream: str = "stderr") -> str:
+        p = self.log_path(rank, stream)
+        return p.read_text(errors="replace") if p and p.exists() else ""
+
+    def tail(self, rank: int, n: int = TAIL_LINES) -> str:
+        """Last `n` lines of a rank's stdout and stderr together (what an error message shows)."""
+        lines = []
+        for stream in ("stdout", "stderr"):
+            lines += [f"{stream}: {l}" for l in self.log(rank, stream).splitlines()]
+        return "\n".join(lines[-n:])
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def summary(self) -> dict:
+        """Deterministic facts about the run (no times, paths or pids): safe to print in a tested notebook."""
+        r = self.result or {}
+        keys = ("schedule", "pp_size", "n_stages", "n_microbatches", "split", "reference_match")
+        return {"status": self.status, "returncode": self.returncode, **{k: r[k] for k in keys if k in r}}
+
+    def to_dict(self) -> dict:
+        return {
+            "run_dir": str(self.run_dir), "command": self.command, "nproc": self.nproc,
+            "status": self.status, "returncode": self.returncode, "wall_time_s": self.wall_time_s,
+            "failed_rank": self.failed_rank, "error": self.error,
+            "rank_exitcodes": {str(k): v for k, v in self.rank_exitcodes.items()},
+        }
+
+    def finish(self, started: float) -> None:
+        """Wall time, the job's result.json, and run.json written."""
+        self.wall_time_s = time.monotonic() - started
+        rp = self.run_dir / "result.json"
+        if rp.exists():
+            try:
+                self.result = json.loads(rp.read_text())
+            except ValueError:
+                self.result = None
+        (self.run_dir / "run.json").write_text(json.dumps(self.to_dict(), indent=2))
+
+    def __repr__(self) -> str:
+        return f"Run(status={self.status!r}, returncode={self.returncode}, wall_time_s={self.wall_time_s:.1f}, run_dir='{self.run_dir}')"
+
+
+def new_run_dir(out: str | os.PathLike | None = None, name: str = "run", runs_root: str | os.PathLike | None = None) -> Path:
+    """A fresh run directory. An explicit `out` must not exist yet (or be empty): runs are never overwritten."""
+    if out is not None:
+        d = Path(out)
+        if d.exists() and (not d.is_dir() or any(d.iterdir())):
+            raise ConfigError(f"Run directory {d} already exists and is not empty: runs are never overwritten. "
+                              f"Pass a new --out path, or delete the old run first.")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Cannot create run directory {d}: {e.strerror}. Pass an --out path you can write to.") from None
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"Run directory {d} is not writable. Pass an --out path you can write to.")
+        return d
+    root = Path(runs_root or os.environ.get("LABKIT_RUNS", DEFAULT_RUNS_ROOT))
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "run"
+    for _ in range(100):
+        d = root / f"{stamp}-{safe}-{uuid.uuid4().hex[:6]}"
+        try:
+            d.mkdir(parents=True)  # exist_ok=False: two launches can never share a directory
+            return d
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"Cannot create a run directory under {root}: {e.strerror}. Set runs_root= "
+                              f"(or $LABKIT_RUNS) to a folder you can write to.") from None
+    raise RuntimeError(f"could not create a unique run directory under {root}")
