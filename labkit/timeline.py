@@ -1,4 +1,4 @@
-"""The timeline data model shared by measured runs (pplog, profiler traces) and theory (simulator).
+"""The timeline data model shared by measured runs (`labkit.logs`: PP logs, profiler traces) and theory.
 
 An `Action` is one piece of work of one stage on one microbatch: kind F (forward), B (full
 backward), I (backward for inputs), W (backward for weights), or SEND/RECV. A `Timeline` is a
@@ -90,23 +90,11 @@ class Timeline:
         }
 
     def trim_waits(self) -> "Timeline":
-        """Take the waiting out of log-measured actions: start = max(start, end - d(stage, kind)).
+        """This log-measured timeline with what waiting is left cut out: `labkit.logs.intervals.trim_waits`,
+        where the rules for taking waits out live (taught in notebook 06)."""
+        from .logs.intervals import trim_waits  # lazily: labkit.logs builds on this module
 
-        torch logs mark when work ENDS (GPipe/1F1B) or when an action is picked (the runtime), and the
-        wait for an incoming activation or gradient happens inside the action: read naively, a rank
-        is never idle and the bubble is hidden. `d(stage, kind)` is the shortest duration that kind
-        of action took on that stage in this run, i.e. one that did not wait. This is an estimate: it
-        needs at least one action of each (stage, kind) that did not wait (true for m >= 2), and it
-        takes the variation of compute time for waiting. Profiler traces (`--profile`) measure instead.
-        """
-        shortest: dict[tuple[int, str], float] = {}
-        for a in self.compute():
-            key = (a.stage, a.kind)
-            shortest[key] = min(shortest.get(key, a.duration), a.duration)
-        acts = [Action(a.rank, a.stage, a.microbatch, a.kind, max(a.start, a.end - shortest[(a.stage, a.kind)]), a.end)
-                if a.kind in COMPUTE_KINDS else a for a in self.actions]
-        meta = {**self.meta, "waits": "trimmed: start = max(logged start, end - shortest duration of that kind on that stage)"}
-        return Timeline(acts, self.source, meta)
+        return trim_waits(self)
 
     def to_json(self) -> dict:
         """`actions`: compute only (F/B/I/W); `comms`: SEND/RECV where the logs show them; times from

@@ -1,4 +1,4 @@
-"""Capture REAL pipelining logs (TORCH_LOGS=+pp) as test fixtures for labkit.pplog.
+"""Capture REAL pipelining logs (TORCH_LOGS=+pp) as test fixtures for labkit.logs.
 
     python scripts/capture_fixtures.py                       # everything (a few minutes on 2 cores)
     python scripts/capture_fixtures.py --only GPipe-p2-m4     # one fixture
@@ -9,7 +9,7 @@ Two kinds of capture, one job at a time (a 2-core laptop runs 4 ranks slowly but
 - `labkit` format: the kit's own launcher (`labkit.launch.run`, i.e. `labkit run ...`), which sets
   TORCH_LOGS=+pp and TORCH_LOGS_FORMAT=labkit.launch.PP_LOG_FORMAT and has torchrun write one
   stderr.log per rank. We keep torchrun's layout, with the random run id renamed `run`:
-  `<name>/logs/run/attempt_0/<rank>/stderr.log`, so `pplog.parse_run_dir(<name>)` reads a fixture
+  `<name>/logs/run/attempt_0/<rank>/stderr.log`, so `labkit.logs.parse_run_dir(<name>)` reads a fixture
   exactly as it reads a real run directory.
 - `default` format: plain torchrun with TORCH_LOGS=+pp and NO TORCH_LOGS_FORMAT, all ranks
   interleaved in one captured stream (stdout+stderr) in `<name>/combined.log`: torch's glog-style
@@ -45,11 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from labkit.config import RunConfig  # noqa: E402
 
-GZIP_ABOVE = 200_000  # bytes: bigger logs are stored gzipped (pplog reads .gz)
+GZIP_ABOVE = 200_000  # bytes: bigger logs are stored gzipped (labkit.logs reads .gz)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""labkit.pplog against REAL logs: every fixture under tests/fixtures/pplogs/<torch>/ was printed by
+"""labkit.logs against REAL logs: every fixture under tests/fixtures/pplogs/<torch>/ was printed by
 ranks running with TORCH_LOGS=+pp (scripts/capture_fixtures.py). The reference is the plan: a parsed
 timeline must hold exactly the actions the schedule planned, in torch's planned order per rank."""
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import pplog
+from labkit import logs
+from labkit.logs.parse import _Parser
 from labkit.timeline import COMPUTE_KINDS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pplogs"
@@ -63,7 +64,7 @@ def test_fixture_holds_planned_actions(d):
     r = result(d)
     cfg = r["config"]
     m, n_stages, steps, schedule = r["n_microbatches"], r["n_stages"], cfg["steps"], r["schedule"]
-    tl = pplog.timeline_from_path(d)
+    tl = logs.timeline_from_path(d)
     assert tl.meta["steps"] == steps
     assert tl.ranks == list(range(r["pp_size"]))
     assert tl.meta["schedule"] == f"Schedule{schedule}"
@@ -109,7 +110,7 @@ def _torch_plan(schedule: str, pp_size: int, m: int, spr: int) -> dict[int, list
         for a in actions:
             if a is None:
                 continue
-            d = pplog.decode_action(str(a))
+            d = logs.decode_action(str(a))
             if d is None:
                 continue
             if d[4]:
@@ -125,7 +126,7 @@ def test_runtime_fixture_follows_torchs_plan_in_order(d):
     """Multi-stage schedules: each rank ran exactly torch's planned actions, in the planned order."""
     r = result(d)
     plan = _torch_plan(r["schedule"], r["pp_size"], r["n_microbatches"], r["stages_per_rank"])
-    tl = pplog.timeline_from_path(d)
+    tl = logs.timeline_from_path(d)
     for rank in tl.ranks:
         want = plan[rank] * r["config"]["steps"]
         if r["inference"]:  # the no-op backwards (and their p2p) are dropped from the timeline
@@ -153,7 +154,7 @@ def _1f1b_order(stage: int, n_stages: int, m: int) -> list[tuple]:
 def test_single_stage_fixture_follows_the_loop_order(d):
     r = result(d)
     m, p, steps = r["n_microbatches"], r["n_stages"], r["config"]["steps"]
-    tl = pplog.timeline_from_path(d)
+    tl = logs.timeline_from_path(d)
     for rank in tl.ranks:
         if r["schedule"] == "GPipe":
             want = [("F", i) for i in range(m)] + ([] if r["inference"] else [("B", i) for i in range(m)])
@@ -165,7 +166,7 @@ def test_single_stage_fixture_follows_the_loop_order(d):
 
 @pytest.mark.parametrize("d", ALL, ids=IDS)
 def test_intervals_do_not_overlap_and_start_at_zero(d):
-    tl = pplog.timeline_from_path(d)
+    tl = logs.timeline_from_path(d)
     sh = tl.shifted()
     assert min(a.start for a in sh.actions) == 0.0
     assert all(a.start >= 0 and a.end >= a.start for a in sh.actions)
@@ -174,7 +175,7 @@ def test_intervals_do_not_overlap_and_start_at_zero(d):
         for prev, nxt in zip(acts, acts[1:]):
             assert nxt.start >= prev.end - 1e-9, (prev, nxt)
     # all records or only the meaningful ones (what timeline_from_path reads): the same timeline
-    assert pplog.to_timeline(pplog.parse_run_dir(d)).actions == tl.actions
+    assert logs.to_timeline(logs.parse_run_dir(d)).actions == tl.actions
     met = tl.metrics()
     assert 0.0 <= met["bubble_fraction"] < 1.0
     assert met["n_actions"] == len(tl.compute())
@@ -182,8 +183,8 @@ def test_intervals_do_not_overlap_and_start_at_zero(d):
 
 @pytest.mark.parametrize("d", ALL, ids=IDS)
 def test_split_waits_only_move_starts_later(d):
-    fold = pplog.timeline_from_path(d)
-    split = pplog.timeline_from_path(d, waits="split")
+    fold = logs.timeline_from_path(d)
+    split = logs.timeline_from_path(d, waits="split")
     assert split.meta["waits"] == "split" and fold.meta["waits"] == "fold"
     assert len(split.actions) == len(fold.actions)
     for a, b in zip(fold.actions, split.actions):
@@ -194,8 +195,8 @@ def test_split_waits_only_move_starts_later(d):
 
 def test_split_waits_show_the_gpipe_bubble():
     d = fixture("GPipe-p2-m4")
-    events = pplog.parse_run_dir(d)
-    tl = pplog.to_timeline(events, waits="split")
+    events = logs.parse_run_dir(d)
+    tl = logs.to_timeline(events, waits="split")
     act = {(a.rank, a.kind, a.microbatch): a for a in tl.actions}
     sends = {r: [e for e in events if e.rank == r and e.kind == "P2P"] for r in (0, 1)}
     # rank 1's first forward waits for rank 0's first send; rank 0's first backward for rank 1's
@@ -203,12 +204,29 @@ def test_split_waits_show_the_gpipe_bubble():
     assert act[(1, "F", 0)].start == sends[0][0].time >= chunk0.time  # sent once computed
     first_grad = next(e for e in sends[1] if e.action == "SEND_B")
     assert act[(0, "B", 0)].start == first_grad.time > act[(0, "F", 3)].end
-    fold = pplog.to_timeline(events)
+    fold = logs.to_timeline(events)
     fold_f0 = next(a for a in fold.actions if (a.rank, a.kind, a.microbatch) == (1, "F", 0))
     assert fold_f0.start < act[(1, "F", 0)].start  # folded: rank 1's wait was counted as compute
     assert tl.metrics()["bubble_fraction"] > fold.metrics()["bubble_fraction"]
     with pytest.raises(ValueError, match="waits"):
-        pplog.to_timeline(events, waits="hide")
+        logs.to_timeline(events, waits="hide")
+
+
+@pytest.mark.parametrize("name", ["GPipe-p2-m4", "ZBVZeroBubble-p2-m4"])
+def test_trim_is_split_then_trim_waits(name):
+    """`waits="trim"` (what `labkit.compare.load_timeline` reads) is split, then `trim_waits`: starts
+    only move later, ends stay where torch logged them."""
+    from labkit.compare import load_timeline
+
+    d = fixture(name)
+    events = logs.parse_run_dir(d)
+    split = logs.to_timeline(events, waits="split")
+    trimmed = logs.to_timeline(events, waits="trim")
+    assert trimmed.actions == logs.trim_waits(split).actions == split.trim_waits().actions
+    assert trimmed.meta["waits"].startswith("trimmed") and split.meta["waits"] == "split"
+    assert all(t.start >= s.start and t.end == s.end for t, s in zip(trimmed.actions, split.actions, strict=True))
+    assert load_timeline(d).actions == trimmed.actions
+    assert load_timeline(d, trim=False).actions == logs.to_timeline(events).actions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +242,8 @@ PAIRS = [("default_GPipe-p2-m4", "GPipe-p2-m4"), ("default_1F1B-p2-m4", "1F1B-p2
 
 @pytest.mark.parametrize("default_name,kit_name", PAIRS)
 def test_both_formats_give_the_same_actions(default_name, kit_name):
-    a = pplog.timeline_from_path(fixture(default_name))
-    b = pplog.timeline_from_path(fixture(kit_name))
+    a = logs.timeline_from_path(fixture(default_name))
+    b = logs.timeline_from_path(fixture(kit_name))
     assert a.counts() == b.counts()
     assert Counter(x.kind for x in a.actions) == Counter(x.kind for x in b.actions)
     if result(fixture(kit_name))["schedule"] != "DualPipeV":  # which backwards DualPipeV splits varies
@@ -236,7 +254,7 @@ def test_both_formats_give_the_same_actions(default_name, kit_name):
 
 def test_default_format_stream_details():
     d = fixture("default_ZBVZeroBubble-p2-m4")
-    events = pplog.parse_run_dir(d)
+    events = logs.parse_run_dir(d)
     assert {e.rank for e in events} == {0, 1}
     pids = {e.rank: set() for e in events}
     for e in events:
@@ -261,17 +279,17 @@ def test_doubled_and_tee_prefixes_are_real():
 
 def test_event_fields_kit_format():
     d = fixture("ZBVZeroBubble-p2-m4")
-    events = pplog.parse_run_dir(d)
+    events = logs.parse_run_dir(d)
     assert {e.rank for e in events} == {0, 1}  # from the path .../attempt_0/<rank>/stderr.log
     first = events[0]
     assert first.kind == "SCHEDULE" and first.action == "ScheduleZBVZeroBubble" and first.level == "I"
     assert first.time > 1e9 and first.pid is None and first.lineno == 1
     run = [e for e in events if e.origin == "runtime"]
-    assert all(e.mark == pplog.START for e in run)
-    done = [e for e in events if e.mark == pplog.END]
+    assert all(e.mark == logs.START for e in run)
+    done = [e for e in events if e.mark == logs.END]
     assert done and all(e.origin == "stage" and e.kind in ("F", "B") for e in done)
     # W has no line of its own: no completion says "weight"
-    assert not any(e.kind == "W" and e.mark == pplog.END for e in events)
+    assert not any(e.kind == "W" and e.mark == logs.END for e in events)
 
 
 
@@ -280,19 +298,19 @@ def test_event_fields_kit_format():
 def test_kit_format_events_match_the_line_text(name, meaning_only):
     """Every field of every kit-format event, against the line read by hand (the hot loop looks
     repeated text up in caches: this pins what it must produce, line by line, twice over)."""
-    for f in pplog.log_files(fixture(name)):
+    for f in logs.log_files(fixture(name)):
         lines = f.read_text().splitlines(keepends=True)
         want = []
         for n, line in enumerate(lines + lines, 1):  # the second copy is served from the caches
             stamp, level, logger, source, msg = line.rstrip("\n").split(" ", 4)
             if "pipelining" not in logger:
                 continue
-            meaning = pplog.decode_message(msg)
+            meaning = logs.decode_message(msg)
             if meaning_only and meaning == (None,) * 7 + ((),):
                 continue
-            want.append(pplog.Event(float(stamp), 3, None, level, msg, *meaning, source[:-1], n))
-        got = pplog.parse_lines(lines + lines, rank=3, meaning_only=meaning_only)
-        assert got == want and all(type(e) is pplog.Event for e in got)
+            want.append(logs.Event(float(stamp), 3, None, level, msg, *meaning, source[:-1], n))
+        got = logs.parse_lines(lines + lines, rank=3, meaning_only=meaning_only)
+        assert got == want and all(type(e) is logs.Event for e in got)
 
 
 @pytest.mark.parametrize("name", ["default_ZBVZeroBubble-p2-m4", "default_GPipe-p2-m4", "default_tee_rank_1F1B-p2-m4"])
@@ -301,14 +319,14 @@ def test_default_format_events_match_the_careful_path(name, meaning_only):
     """The hot loop's cached reading of torch's default format, event by event, against the parser's
     careful line-at-a-time path (`_slow`, which the hot loop leaves other formats to)."""
     lines = (fixture(name) / "combined.log").read_text().splitlines(keepends=True)
-    careful = pplog._Parser(None, 2026)
+    careful = _Parser(None, 2026)
     want = []
     for n, line in enumerate(lines + lines, 1):  # the second copy is served from the caches
         ev, _ = careful._slow(line.rstrip("\n"), n) if "pipelining" in line else (None, False)
         if ev is not None and not (meaning_only and ev.kind is None and ev.mark is None):
             want.append(ev)
-    got = pplog.parse_lines(lines + lines, year=2026, meaning_only=meaning_only)
-    assert len(want) > 20 and got == want and all(type(e) is pplog.Event for e in got)
+    got = logs.parse_lines(lines + lines, year=2026, meaning_only=meaning_only)
+    assert len(want) > 20 and got == want and all(type(e) is logs.Event for e in got)
 
 # ---------------------------------------------------------------------------------------------
 # messages
@@ -339,23 +357,23 @@ def test_default_format_events_match_the_careful_path(name, meaning_only):
     ("_PipelineScheduleRuntime running time_step 11, action 3I", (None, None, None, "start", "runtime", 11, "3I")),
 ])
 def test_decode_message(msg, want):
-    assert pplog.decode_message(msg)[:7] == want
+    assert logs.decode_message(msg)[:7] == want
 
 
 def test_decode_overlap():
-    d = pplog.decode_message("_PipelineScheduleRuntime running time_step 17, action (0F3;3B1)OVERLAP_F_B")
+    d = logs.decode_message("_PipelineScheduleRuntime running time_step 17, action (0F3;3B1)OVERLAP_F_B")
     assert d[0] == "OVERLAP_F_B" and d[7] == (("F", 0, 3), ("B", 3, 1))
 
 
 def test_overlap_is_split_at_the_first_completion():
     d = fixture("DualPipeV-p2-m4")
-    events = pplog.parse_run_dir(d)
-    tl = pplog.to_timeline(events)
+    events = logs.parse_run_dir(d)
+    tl = logs.to_timeline(events)
     ov = next(e for e in events if e.kind == "OVERLAP_F_B")
     (k1, s1, m1), (k2, s2, m2) = ov.sub
     a1 = next(a for a in tl.actions if (a.rank, a.stage, a.kind, a.microbatch) == (ov.rank, s1, k1, m1))
     a2 = next(a for a in tl.actions if (a.rank, a.stage, a.kind, a.microbatch) == (ov.rank, s2, k2, m2))
-    done = next(e for e in events if e.rank == ov.rank and e.mark == pplog.END and e.time >= ov.time
+    done = next(e for e in events if e.rank == ov.rank and e.mark == logs.END and e.time >= ov.time
                 and (e.stage, e.microbatch) == (s1, m1))
     assert a1.start == ov.time and a1.end == done.time == a2.start and a2.end >= a2.start
 
@@ -395,12 +413,12 @@ def _mixed(lines: list[str], seed: int = 0) -> list[str]:
 @pytest.mark.parametrize("name", ["ZBVZeroBubble-p2-m4", "GPipe-p2-m4", "DualPipeV-p2-m4"])
 def test_garbage_lines_change_nothing_kit_format(name):
     d = fixture(name)
-    clean = pplog.timeline_from_path(d)
+    clean = logs.timeline_from_path(d)
     events = []
-    for f in pplog.log_files(d):
+    for f in logs.log_files(d):
         lines = f.read_text().splitlines(keepends=True)
-        events += pplog.parse_lines(_mixed(lines), rank=pplog.rank_from_path(f))
-    dirty = pplog.to_timeline(events)
+        events += logs.parse_lines(_mixed(lines), rank=logs.rank_from_path(f))
+    dirty = logs.to_timeline(events)
     assert dirty.actions == clean.actions
 
 
@@ -408,50 +426,50 @@ def test_garbage_lines_change_nothing_kit_format(name):
 def test_garbage_lines_change_nothing_default_format(name):
     f = fixture(name) / "combined.log"
     lines = f.read_text().splitlines(keepends=True)
-    clean = pplog.to_timeline(pplog.parse_lines(lines))
-    assert pplog.to_timeline(pplog.parse_lines(_mixed(lines, 3))).actions == clean.actions
+    clean = logs.to_timeline(logs.parse_lines(lines))
+    assert logs.to_timeline(logs.parse_lines(_mixed(lines, 3))).actions == clean.actions
     # torchrun's echo and a prefix template stack prefixes in front of torch's own [rankN]:
     for extra in ("[rank{r}]:", "[default{r}]:", "[rank{r}]:[rank{r}]:", "[rank{r}:err] "):
         def add(line):
             m = re.match(r"\[rank(\d)\]:", line)
             return extra.format(r=m.group(1)) + line if m else line
-        again = pplog.to_timeline(pplog.parse_lines([add(x) for x in lines]))
+        again = logs.to_timeline(logs.parse_lines([add(x) for x in lines]))
         assert again.actions == clean.actions, extra
     # CRLF line ends
-    assert pplog.to_timeline(pplog.parse_lines([x.replace("\n", "\r\n") for x in lines])).actions == clean.actions
+    assert logs.to_timeline(logs.parse_lines([x.replace("\n", "\r\n") for x in lines])).actions == clean.actions
 
 
 def test_a_cut_last_line_adds_nothing():
-    f = pplog.log_files(fixture("ZBVZeroBubble-p2-m4"))[0]
+    f = logs.log_files(fixture("ZBVZeroBubble-p2-m4"))[0]
     lines = f.read_text().splitlines(keepends=True)
-    clean = pplog.parse_lines(lines, rank=0)
-    base = pplog.to_timeline(clean).actions
+    clean = logs.parse_lines(lines, rank=0)
+    base = logs.to_timeline(clean).actions
     t = float(lines[-1].split(" ", 1)[0]) + 0.001
     full = f"{t:.6f} D torch.distributed.pipelining.schedules schedules.py:2614] " \
            "_PipelineScheduleRuntime running time_step 99, action 3F12\n"
     for cut in (full[:40], full[:-3], full[:-2], full.rstrip("\n")[:-1]):  # "3F" / "3F1" / "...time_step 9"
-        events = pplog.parse_lines(lines + [cut], rank=0)
+        events = logs.parse_lines(lines + [cut], rank=0)
         assert len(events) in (len(clean), len(clean) + 1)
         assert events[-1].kind is None or len(events) == len(clean)
-        assert pplog.to_timeline(events).actions[:len(base)] == base
-        assert Counter(a.kind for a in pplog.to_timeline(events).compute()) == \
-            Counter(a.kind for a in pplog.to_timeline(clean).compute())
+        assert logs.to_timeline(events).actions[:len(base)] == base
+        assert Counter(a.kind for a in logs.to_timeline(events).compute()) == \
+            Counter(a.kind for a in logs.to_timeline(clean).compute())
     # Lines handed over without newlines (str.splitlines()) are all whole: the last one counts.
-    whole = pplog.parse_lines([x.rstrip("\n") for x in lines] + [full.rstrip("\n")], rank=0)
+    whole = logs.parse_lines([x.rstrip("\n") for x in lines] + [full.rstrip("\n")], rank=0)
     assert whole[-1].kind == "F" and whole[-1].microbatch == 12
 
 
 def test_continuation_lines_join_their_record():
-    f = pplog.log_files(fixture("Interleaved1F1B-p2-m4"))[0]
+    f = logs.log_files(fixture("Interleaved1F1B-p2-m4"))[0]
     lines = f.read_text().splitlines(keepends=True)
     k = 10
     t = lines[k - 1].split(" ", 1)[0]
     err = (f"{t} E torch.distributed.pipelining.schedules schedules.py:2645]         Rank 0 Rank 1\n",
            "Step 00: 0UNSHARD 1UNSHARD\n", "Step 01: 0F0      1RECV_F0 <-- ERROR HERE\n")
-    events = pplog.parse_lines(lines[:k] + list(err) + lines[k:], rank=0)
+    events = logs.parse_lines(lines[:k] + list(err) + lines[k:], rank=0)
     rec = next(e for e in events if e.level == "E")
     assert rec.message.endswith("Step 01: 0F0      1RECV_F0 <-- ERROR HERE") and rec.kind is None
-    assert pplog.to_timeline(events).actions == pplog.to_timeline(pplog.parse_lines(lines, rank=0)).actions
+    assert logs.to_timeline(events).actions == logs.to_timeline(logs.parse_lines(lines, rank=0)).actions
 
 
 def test_yearless_stamps_cross_new_year():
@@ -459,12 +477,12 @@ def test_yearless_stamps_cross_new_year():
              "_PipelineScheduleRuntime running time_step 0, action 0F0\n",
              "[rank0]:V0101 00:00:00.001000 7 torch/distributed/pipelining/schedules.py:1] "
              "_PipelineScheduleRuntime running time_step 1, action 0B0\n"]
-    ev = pplog.parse_lines(lines, year=2025)
+    ev = logs.parse_lines(lines, year=2025)
     assert ev[1].time - ev[0].time == pytest.approx(0.002, abs=1e-6)
     assert [e.rank for e in ev] == [0, 0]
     # interleaved ranks: a December line after a January one is still last year's
     late = lines[0].replace("[rank0]", "[rank1]").replace("59.999000", "59.998000")
-    ev = pplog.parse_lines([lines[0], lines[1], late, lines[1].replace("00.001000", "00.002000")], year=2025)
+    ev = logs.parse_lines([lines[0], lines[1], late, lines[1].replace("00.001000", "00.002000")], year=2025)
     assert [round(e.time - ev[0].time, 3) for e in ev] == [0.0, 0.002, -0.001, 0.003]
     assert datetime.fromtimestamp(ev[0].time).year == 2025
 
@@ -473,12 +491,12 @@ def test_other_logs_formats():
     # TORCH_LOGS_FORMAT="%(created).6f %(process)d %(name)s %(message)s"
     line = "1795313848.016768 4242 torch.distributed.pipelining.schedules _PipelineScheduleRuntime running " \
            "time_step 11, action 3I0\n"
-    (e,) = pplog.parse_lines([line], rank=2)
+    (e,) = logs.parse_lines([line], rank=2)
     assert (e.rank, e.pid, e.kind, e.stage, e.microbatch) == (2, 4242, "I", 3, 0)
     # the kit's own live stream prefix, and a string instead of lines
     text = "[rank1:err] 1795313848.016768 D torch.distributed.pipelining.stage stage.py:918] [Stage 1] " \
            "Forwarded chunk 0, outputs: x\n"
-    (e,) = pplog.parse_lines(text)
+    (e,) = logs.parse_lines(text)
     assert (e.rank, e.kind, e.mark, e.origin) == (1, "F", "end", "stage")
 
 
@@ -488,43 +506,43 @@ def test_other_logs_formats():
 
 def test_paths_and_gz(tmp_path):
     d = fixture("Interleaved1F1B-p2-m4")
-    files = pplog.log_files(d)
-    assert [pplog.rank_from_path(f) for f in files] == [0, 1]
-    assert pplog.rank_from_path("/x/logs/abc/attempt_0/3/stderr.log") == 3
-    assert pplog.rank_from_path("rank7.log") == 7 and pplog.rank_from_path("combined.log") is None
-    clean = pplog.timeline_from_path(d)
+    files = logs.log_files(d)
+    assert [logs.rank_from_path(f) for f in files] == [0, 1]
+    assert logs.rank_from_path("/x/logs/abc/attempt_0/3/stderr.log") == 3
+    assert logs.rank_from_path("rank7.log") == 7 and logs.rank_from_path("combined.log") is None
+    clean = logs.timeline_from_path(d)
     # the same logs gzipped, and a newer attempt (a restart) that wins over attempt_0
     copy = tmp_path / "run"
     shutil.copytree(d, copy)
-    for f in pplog.log_files(copy):
+    for f in logs.log_files(copy):
         with open(f, "rb") as src, gzip.open(str(f) + ".gz", "wb") as dst:
             dst.write(src.read())
         f.unlink()
-    assert all(f.suffix == ".gz" for f in pplog.log_files(copy))
-    assert pplog.timeline_from_path(copy).actions == clean.actions
+    assert all(f.suffix == ".gz" for f in logs.log_files(copy))
+    assert logs.timeline_from_path(copy).actions == clean.actions
     shutil.copytree(copy / "logs" / "run" / "attempt_0", copy / "logs" / "run" / "attempt_1")
-    assert all("attempt_1" in str(f) for f in pplog.log_files(copy))
+    assert all("attempt_1" in str(f) for f in logs.log_files(copy))
     # log files given one by one, and a single combined stream
-    assert pplog.timeline_from_path(pplog.log_files(d)).actions == clean.actions
+    assert logs.timeline_from_path(logs.log_files(d)).actions == clean.actions
     comb = fixture("default_Interleaved1F1B-p2-m4") / "combined.log"
-    assert pplog.timeline_from_path(comb).counts() == clean.counts()
+    assert logs.timeline_from_path(comb).counts() == clean.counts()
     with pytest.raises(FileNotFoundError):
-        pplog.timeline_from_path(tmp_path / "nothing-here")
+        logs.timeline_from_path(tmp_path / "nothing-here")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="TORCH_LOGS"):
-        pplog.parse_run_dir(tmp_path / "empty")
+        logs.parse_run_dir(tmp_path / "empty")
 
 
 def test_steps_are_split():
-    tl = pplog.timeline_from_path(fixture("steps2_GPipe-p2-m4"))
+    tl = logs.timeline_from_path(fixture("steps2_GPipe-p2-m4"))
     assert tl.meta["steps"] == 2 and tl.meta["timing"] == {"0": "completion", "1": "completion"}
-    tl = pplog.timeline_from_path(fixture("steps2_ZBVZeroBubble-p2-m4"))
+    tl = logs.timeline_from_path(fixture("steps2_ZBVZeroBubble-p2-m4"))
     assert tl.meta["steps"] == 2 and tl.meta["timing"] == {"0": "runtime", "1": "runtime"}
 
 
 def test_forward_only_runs_drop_noop_backwards():
     for name in ("inference_GPipe-p2-m4", "inference_Interleaved1F1B-p2-m4"):
-        tl = pplog.timeline_from_path(fixture(name))
+        tl = logs.timeline_from_path(fixture(name))
         assert {a.kind for a in tl.compute()} == {"F"}
         assert tl.meta["notes"], "the dropped lines are reported"
 
@@ -544,15 +562,15 @@ def _shifted_copies(lines: list[str], n_lines: int) -> list[str]:
 
 
 def test_throughput_smoke():
-    f = pplog.log_files(fixture("ZBVZeroBubble-p2-m4"))[0]
+    f = logs.log_files(fixture("ZBVZeroBubble-p2-m4"))[0]
     lines = f.read_text().splitlines(keepends=True)
-    per_copy = len(pplog.to_timeline(pplog.parse_lines(lines, rank=0)).actions)
+    per_copy = len(logs.to_timeline(logs.parse_lines(lines, rank=0)).actions)
     copies = 200_000 // len(lines) + 1
     big = _shifted_copies(lines, copies * len(lines))
     assert len(big) >= 200_000
     t0 = time.perf_counter()
-    tl = pplog.to_timeline(pplog.parse_lines(big, rank=0))
+    tl = logs.to_timeline(logs.parse_lines(big, rank=0))
     dt = time.perf_counter() - t0
     assert len(tl.actions) == copies * per_copy
     assert tl.meta["steps"] == copies
-    print(f"pplog: {len(big):,} lines in {dt:.2f} s ({len(big) / dt:,.0f} lines/s, parse + timeline)")
+    print(f"labkit.logs: {len(big):,} lines in {dt:.2f} s ({len(big) / dt:,.0f} lines/s, parse + timeline)")

@@ -1,6 +1,6 @@
 """Solutions to the exercises of notebook 06 (reading the pipelining logs). Try them first!"""
 
-from labkit.pplog import log_files, parse_files
+from labkit.logs import log_files, parse_files
 
 
 def start_order(events, rank):

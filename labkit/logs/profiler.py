@@ -8,7 +8,8 @@ single-stage schedules (GPipe, 1F1B) and `PP:<action>` in the multi-stage runtim
 incoming activation or gradient, so an action's compute is taken as the span of the operators
 that run inside the annotation (first op start to last op end), with the communication ops
 (`gloo:*`, `nccl:*`, `c10d::*`, `record_param_comms`) left out. That is what makes the measured
-bubble comparable with the ideal one. Taught in notebook 06.
+bubble comparable with the ideal one. This module owns reading those traces; action names are
+decoded as the logs' are (`labkit.logs.messages.decode_action`). Taught in notebook 06.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import re
 from bisect import bisect_left
 from pathlib import Path
 
-from .pplog import decode_action
-from .timeline import COMPUTE_KINDS, Action, Timeline
+from ..timeline import COMPUTE_KINDS, Action, Timeline
+from .messages import decode_action
+
+__all__ = ["ANNOTATION_PREFIX", "actions_from_trace", "profile_files", "timeline_from_profile"]
 
 ANNOTATION_PREFIX = "labkit::"  # the same as labkit.worker.ANNOTATION_PREFIX (worker imports torch)
 
