@@ -88,7 +88,7 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def _positive_int(name: str, value, hint: str) -> None:
+def positive_int(name: str, value, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be a whole number, got {value!r}. {hint}")
     if value < 1:
@@ -149,9 +149,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         info = schedule_info(self.schedule)
         self.schedule = info.name
-        _positive_int("pp_size", self.pp_size, "Pass --nproc N with N >= 1 ranks.")
-        _positive_int("n_microbatches", self.n_microbatches, "Pass --microbatches M with M >= 1.")
-        _positive_int("steps", self.steps, "Pass --steps N with N >= 1.")
+        validate_sizes(self.pp_size, self.n_microbatches)
+        positive_int("steps", self.steps, "Pass --steps N with N >= 1.")
         if self.split not in SPLIT_MODES:
             raise ConfigError(f"split must be one of {SPLIT_MODES}, got {self.split!r}. Use --split manual or --split tracer.")
         if self.device not in DEVICES:
@@ -167,7 +166,7 @@ class RunConfig:
         preset = PRESETS[self.preset]
         if self.batch_size is None:
             self.batch_size = preset.batch_size
-        _positive_int("batch_size", self.batch_size, "Pass --batch-size B with B >= 1.")
+        positive_int("batch_size", self.batch_size, "Pass --batch-size B with B >= 1.")
         if self.n_stages > preset.n_layers:
             raise ConfigError(
                 f"{self.n_stages} stages ({self.pp_size} ranks x {self.stages_per_rank} stages per rank) but the "
@@ -259,11 +258,17 @@ class RunConfig:
         return cls.from_dict(data)
 
 
+def validate_sizes(pp_size: int, n_microbatches: int) -> None:
+    """Ranks and microbatches are whole numbers >= 1 (RunConfig, WorkloadConfig and theory share this)."""
+    positive_int("pp_size", pp_size, "Pass --nproc N with N >= 1 ranks.")
+    positive_int("n_microbatches", n_microbatches, "Pass --microbatches M with M >= 1.")
+
+
 def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | None, inference: bool = False) -> int:
     """Stages per rank the schedule needs (default 1, or 2 for multi-stage); raises ConfigError with a fix."""
     if stages_per_rank is None:
         stages_per_rank = 2 if info.multi else 1
-    _positive_int("stages_per_rank", stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
+    positive_int("stages_per_rank", stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
     if not info.multi and stages_per_rank != 1:
         raise ConfigError(
             f"{info.name} runs exactly one stage per rank, got --stages-per-rank {stages_per_rank}. "

@@ -161,13 +161,15 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
 def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool = True, stream: str = "output",
         progress: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-        stop_event=None, echo=None, on_progress=None, job_args: list[str] | tuple = (), **overrides) -> Run:
+        stop_event=None, echo=None, on_progress=None, job_args: list[str] | tuple = (), pp_logs: bool = True,
+        **overrides) -> Run:
     """Run the reference job (`labkit.jobs.train`) for a config: `labkit.run(schedule="1F1B")`.
 
     Keyword arguments that are RunConfig fields override `cfg` (e.g. `profile=True`). The config
     travels in the run directory's config.json. `check=True` raises `LaunchError` when the job
     fails or the pipelined step does not match the unsplit model; with `check=False` look at
-    `run.status` and `run.result` instead. `job_args`: extra flags for the job (e.g. ["--log-ab"]).
+    `run.status` and `run.result` instead. `job_args`: extra flags for the job (e.g. ["--log-ab"]);
+    `pp_logs=False`: no TORCH_LOGS=+pp (the capture benchmark's control).
     """
     if cfg is None:
         cfg = RunConfig(**overrides)
@@ -180,7 +182,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
     nproc = cfg.pp_size // nnodes
     preflight_device(cfg.device, nproc)
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
-    r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True,
+    r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True, pp_logs=pp_logs,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                rdzv_id=rdzv_id, stop_event=stop_event, echo=echo, on_progress=on_progress)

@@ -138,9 +138,9 @@ def handouts(argv: list[str]) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    """The benchmarks: bench/results.json and bench/RESULTS.md (see labkit/bench.py)."""
+    """The benchmarks: bench/results.json and bench/RESULTS.md (see scripts/bench.py)."""
     setup()
-    return subprocess.run([str(vpython()), "-m", "labkit.bench", *argv], cwd=ROOT).returncode
+    return subprocess.run([str(vpython()), str(ROOT / "scripts" / "bench.py"), *argv], cwd=ROOT).returncode
 
 
 def main(argv: list[str]) -> int:

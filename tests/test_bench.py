@@ -1,11 +1,30 @@
-"""Smoke tests of the benchmark pieces (structure and sanity, never timed asserts)."""
+"""Smoke tests of the benchmark pieces in scripts/bench.py (structure and sanity, never timed asserts)."""
 
+import importlib.util
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from labkit import bench
 from labkit.worker import pp_logs_on_step
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    """scripts/bench.py is dev tooling, not part of the package: import it from its file."""
+    spec = importlib.util.spec_from_file_location("pplab_bench", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def test_bench_finds_the_repository_from_its_own_path():
+    assert bench.REPO_ROOT == REPO and bench.BENCH_DIR == REPO / "bench"
+    assert bench.TUTORIAL_SCRIPT.is_file() and bench._fixture_lines()
 
 
 def test_parser_throughput_structure():
@@ -61,12 +80,10 @@ def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
     """The in-job capture A/B is real: the rank logs hold the PP lines of the logging steps only
     (steps 0 and 3 of 4: 2 steps x 4 microbatches forwards per stage), and step times for all."""
     from labkit.config import RunConfig
-    from labkit.launch import REFERENCE_SCRIPT, launch
-    from labkit.pplog import timeline_from_path
+    from labkit.logs import timeline_from_path
 
     cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset="tiny", steps=4)
-    r = launch(REFERENCE_SCRIPT, cfg.script_args() + ["--log-ab"], nproc=2, runs_root=runs, progress=False,
-               stream="none")
+    r = bench._reference_launch(cfg, runs, ["--log-ab"])
     assert r.result["step_pp_logs"] == [True, False, False, True] and len(r.result["step_time_s"]) == 4
     tl = timeline_from_path(r.run_dir)
     forwards = Counter(a.stage for a in tl.compute() if a.kind == "F")

@@ -17,7 +17,7 @@ import importlib  # noqa: E402
 
 import labkit  # noqa: E402
 from labkit.config import ConfigError, RunConfig  # noqa: E402
-from labkit.explorer import (  # noqa: E402
+from labkit.explorer_views import (  # noqa: E402
     DEFAULT_CONTROLS,
     history_table_html,
     measured_view,
@@ -28,7 +28,8 @@ from labkit.explorer import (  # noqa: E402
     validate,
 )
 from labkit.launch import Run  # noqa: E402
-from labkit.theory import Cost, simulate  # noqa: E402
+from labkit.compare import measured_vs_ideal  # noqa: E402
+from labkit.theory import Cost, fit_cost, simulate  # noqa: E402
 
 # `labkit.launch` is the launch() function (re-exported by the package); patch the module itself.
 launch_mod = importlib.import_module("labkit.launch")
@@ -176,7 +177,7 @@ def fake_run_dir(tmp_path, schedule="GPipe", pp_size=2, m=4, reference_match=Tru
 
 def test_measured_view_beside_the_fitted_ideal(tmp_path):
     run, cfg = fake_run_dir(tmp_path)
-    view = measured_view(run.run_dir, cfg)
+    view = measured_view(run.run_dir)
     assert view["error"] is None, view["error"]
     assert len(view["measured"].compute()) == 16 and len(view["ideal"].compute()) == 16
     assert view["cost"].unit == "s" and view["cost"].B > view["cost"].F > 0
@@ -184,7 +185,16 @@ def test_measured_view_beside_the_fitted_ideal(tmp_path):
         assert 0 <= view[key]["bubble_fraction"] < 1 and view[key]["bubble_ratio"] >= 0
     assert "bubble_fraction" in view["html"] and "bubble_ratio" in view["html"]
     assert view["png"].startswith(PNG_MAGIC)
-    assert measured_view(run.run_dir)["error"] is None  # sizes read from config.json
+    # the same as labkit.compare.measured_vs_ideal, the one owner of "measured beside its fitted ideal"
+    measured, ideal, summary = measured_vs_ideal(run.run_dir)
+    assert view["measured_metrics"] == measured.metrics() and view["ideal_metrics"] == ideal.metrics()
+    assert view["cost"] == fit_cost(measured)
+    # without result.json the run's shape comes from its logs ("Using ScheduleGPipe", ranks, microbatches)
+    (run.run_dir / "result.json").unlink()
+    again = measured_view(run.run_dir, png=False)
+    assert again["error"] is None and again["ideal_metrics"] == view["ideal_metrics"]
+    meta = again["measured"].meta
+    assert (meta["schedule"], meta["pp_size"], meta["n_microbatches"]) == ("ScheduleGPipe", 2, 4)
 
 
 def test_measured_view_without_logs_says_why(tmp_path):
@@ -196,7 +206,7 @@ def test_measured_view_without_logs_says_why(tmp_path):
 
 def test_summarize_run_row(tmp_path):
     run, cfg = fake_run_dir(tmp_path)
-    row = summarize_run(run, measured_view(run.run_dir, cfg, png=False))
+    row = summarize_run(run, measured_view(run.run_dir, png=False))
     assert {k: row[k] for k in ("schedule", "pp_size", "n_microbatches", "status", "reference_match")} == \
         {"schedule": "GPipe", "pp_size": 2, "n_microbatches": 4, "status": "ok", "reference_match": True}
     assert row["step_time_s"] == 0.25  # the last step (the first one carries the warm-up)

@@ -1,4 +1,5 @@
-"""labkit.notebook: deterministic views for tested notebooks."""
+"""What the notebooks import: labkit.notebook (setup, deterministic views, solutions), labkit.orders
+(orders of actions, torch's short form) and labkit.memory (what a stage holds)."""
 
 from labkit.notebook import pick_preset, tree
 
@@ -19,7 +20,7 @@ def test_pick_preset_on_cpu():
 
 
 def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
-    from labkit.notebook import peak_in_flight, rank_orders
+    from labkit.orders import peak_in_flight, rank_orders
     from labkit.theory import planned_actions, simulate
 
     tl = simulate("1F1B", 4, 8)
@@ -33,7 +34,7 @@ def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
 def test_saved_activation_bytes_counts_activations_not_weights():
     import torch
 
-    from labkit.notebook import saved_activation_bytes
+    from labkit.memory import saved_activation_bytes
 
     lin = torch.nn.Linear(16, 16, bias=False)
     x = torch.randn(4, 16, requires_grad=True)
@@ -44,7 +45,7 @@ def test_saved_activation_bytes_counts_activations_not_weights():
 
 
 def test_torch_short_forms_of_an_order():
-    from labkit.notebook import format_order, order_csv, torch_actions
+    from labkit.orders import format_order, order_csv, torch_actions
 
     order = {1: [("F", 1, 0), ("I", 1, 0), ("W", 1, 0)], 0: [("F", 0, 0), ("B", 0, 0)]}
     assert torch_actions(order) == {0: ["0F0", "0B0"], 1: ["1F0", "1I0", "1W0"]}
@@ -61,13 +62,39 @@ def test_solution_loads_an_answer_from_a_solutions_file(tmp_path, monkeypatch):
     assert solution("99_demo", "ANSWER") == 42
 
 
+def test_solution_looks_only_next_to_the_running_notebook(tmp_path, monkeypatch):
+    """An installed kit never reads the repository's notebooks/solutions: only ./solutions counts."""
+    import pytest
+
+    from labkit.notebook import solution
+
+    monkeypatch.chdir(tmp_path)  # the repository's notebooks/solutions/00_welcome.py exists, but not here
+    with pytest.raises(FileNotFoundError, match="solutions/ folder next to the notebooks") as e:
+        solution("00_welcome", "exercise_1")
+    assert str(tmp_path / "solutions" / "00_welcome.py") in str(e.value)
+
+
+def test_notebook_keeps_the_names_the_notebooks_import():
+    """The notebooks import order and memory helpers from labkit.notebook; their owners are elsewhere."""
+    import labkit.memory
+    import labkit.notebook
+    import labkit.orders
+
+    for name in ("format_order", "order_csv", "peak_in_flight", "rank_orders", "torch_actions"):
+        assert getattr(labkit.notebook, name) is getattr(labkit.orders, name), name
+    for name in ("param_groups", "saved_activation_bytes"):
+        assert getattr(labkit.notebook, name) is getattr(labkit.memory, name), name
+    assert set(labkit.notebook.__all__) <= set(dir(labkit.notebook))
+
+
 # --- stages, Pipes and failed runs (notebooks 01, 02 and 09) ------------------------------------
 
 
 def test_param_groups_and_compress_names_of_the_tutorial_model():
     from labkit.config import RunConfig
     from labkit.model import build_model
-    from labkit.notebook import compress_names, param_groups
+    from labkit.memory import param_groups
+    from labkit.notebook import compress_names
     from labkit.stages import manual_stage_module
 
     full = build_model(RunConfig(preset="tiny"))
@@ -128,7 +155,7 @@ def test_stack_frames_and_rank_locations_hide_folders_and_other_threads():
 def test_orders_in_torch_short_form_are_read_too():
     import pytest
 
-    from labkit.notebook import order_csv, peak_in_flight, torch_actions
+    from labkit.orders import order_csv, peak_in_flight, torch_actions
 
     order = {0: "0F0 0F1 0B0 0B1".split(), 1: ["1F0", ("B", 1, 0), "1f1", "1B1"]}
     assert torch_actions(order) == {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
@@ -143,3 +170,60 @@ def test_tree_hides_torchrun_ids_with_underscores(tmp_path):
     run = tmp_path / "20261122-031244-hang-e4e9ef"
     (run / "logs" / "labkit-20261122-031244-hang-e4e9ef_t9zm_nv9" / "attempt_0" / "0").mkdir(parents=True)
     assert "t9zm_nv9" not in tree(run) and "<id>/" in tree(run)
+
+
+# --- torch's short form of an action: one reader (labkit.orders.parse_action, on the log parser's grammar)
+
+
+def test_parse_action_reads_torchs_short_form_and_says_how_to_fix_the_rest():
+    import pytest
+
+    from labkit.logs import decode_action
+    from labkit.orders import ScheduleError, parse_action
+
+    assert parse_action("0F1") == ("F", 0, 1) and parse_action(" 12w3 ") == ("W", 12, 3)
+    assert parse_action("3I0") == decode_action("3I0")[:3]  # the same grammar as torch's log lines
+    with pytest.raises(ScheduleError, match="not a compute action.*SEND/RECV"):
+        parse_action("0SEND_F1")
+    for bad in ("F01", "0F", "0X1", ""):
+        with pytest.raises(ScheduleError, match="Cannot read action.*short form"):
+            parse_action(bad, "rank 0, position 2")
+
+
+def _custom_schedule_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "scripts" / "custom_schedule.py"
+    spec = importlib.util.spec_from_file_location("custom_schedule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_schedule_reads_its_csv_with_the_kits_rules(tmp_path):
+    """notebooks/scripts/custom_schedule.py (a torchrun script) reads and checks the order as the notebook does."""
+    import pytest
+
+    from labkit.orders import order_csv
+
+    read_order = _custom_schedule_script().read_order
+    order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]}
+    csv = tmp_path / "order.csv"
+    csv.write_text(order_csv(order))
+    rows, stage_rank, m = read_order(csv, 2)
+    assert (rows, stage_rank, m) == (order, {0: 0, 1: 1}, 2)
+    with pytest.raises(ValueError, match="has 2 rows but the job has 3 ranks"):
+        read_order(csv, 3)
+    bad = {
+        "0F0,0F1\n0F2,1F0\n": "stage 0 appears on rank 0 and rank 1",
+        "0F0,0X1\n1F0\n": "Cannot read action '0X1' \\(rank 0, position 1\\)",
+        "0F0,0SEND_F0\n1F0\n": "not a compute action",
+        "0F0\n2F0\n": "stages \\[1\\] appear in no row",
+        "0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n": "the backward of stage 0 mb 1 is missing",
+        "\n\n": "lists no actions",
+    }
+    for text, match in bad.items():
+        csv.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            read_order(csv, 2)

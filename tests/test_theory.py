@@ -133,6 +133,8 @@ def test_1f1b_order_follows_the_runtime_loop():
     ({"schedule": "Nope"}, "Unknown schedule"),
     ({"schedule": "GPipe", "stages_per_rank": 2}, "one stage per rank"),
     ({"schedule": "ZBVZeroBubble", "stages_per_rank": 3}, "V-shaped"),
+    ({"schedule": "Interleaved1F1B", "stages_per_rank": 1}, "multi-stage schedule"),  # config's rule
+    ({"schedule": "GPipe", "stages_per_rank": 0}, "stages_per_rank"),
     ({"schedule": "DualPipeV", "pp_size": 4, "n_microbatches": 4}, "torch refuses DualPipeV"),
     ({"schedule": "GPipe", "pp_size": 0}, "pp_size"),
     ({"schedule": "GPipe", "n_microbatches": 2.5}, "n_microbatches"),
@@ -141,6 +143,21 @@ def test_planned_actions_rejects_bad_configs(kwargs, match):
     args = {"pp_size": 2, "n_microbatches": 4, **kwargs}
     with pytest.raises(ConfigError, match=match):
         planned_actions(**args)
+    with pytest.raises(ConfigError, match=match):
+        simulate(**args)
+
+
+def test_stages_per_rank_rules_are_the_configs():
+    """theory asks labkit.config (the one owner): the same message as `labkit run` prints."""
+    from labkit.config import RunConfig
+
+    for schedule, spr in (("Interleaved1F1B", 1), ("GPipe", 2), ("DualPipeV", 3)):
+        with pytest.raises(ConfigError) as ours:
+            simulate(schedule, 2, 4, spr)
+        with pytest.raises(ConfigError) as run:
+            RunConfig(schedule=schedule, pp_size=2, n_microbatches=4, stages_per_rank=spr)
+        assert str(ours.value) == str(run.value)
+    assert simulate("Interleaved1F1B", 1, 4, 1).meta["stages_per_rank"] == 1  # one rank: allowed, as in config
 
 
 # --- simulation invariants ---------------------------------------------------------------------
@@ -340,8 +357,8 @@ def _fixture_runs():
 @pytest.mark.parametrize("run_dir,name,p,m", list(_fixture_runs()))
 def test_planned_order_is_what_torch_ran(run_dir, name, p, m):
     """Each rank of a captured real run (TORCH_LOGS=+pp) ran exactly the order planned here."""
-    pplog = pytest.importorskip("labkit.pplog")
-    measured = pplog.timeline_from_path(run_dir)
+    logs = pytest.importorskip("labkit.logs")
+    measured = logs.timeline_from_path(run_dir)
     spr = 2 if SCHEDULES[name].multi else 1
     plan = planned_actions(name, p, m, spr)
     for r in plan:

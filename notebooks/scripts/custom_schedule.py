@@ -25,18 +25,16 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import re
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit import worker
-from labkit.workload import TimedBlock, check_step, mse, stage_grads
-
-_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+from labkit.orders import check_order, parse_action
+from labkit.reference import check_step
+from labkit.workload import TimedBlock, mse
 
 
 def parse_args(argv=None):
@@ -54,29 +52,29 @@ def parse_args(argv=None):
 
 
 def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]], dict[int, int], int]:
-    """(rows, stage -> rank, n_microbatches) of a compute-only CSV; ValueError says what is wrong."""
+    """(rows, stage -> rank, n_microbatches) of a compute-only CSV; ValueError says what is wrong.
+
+    Actions are read, and the order checked, by the kit's own rules (`labkit.orders`): the same
+    `parse_action` and `check_order` as the notebook's `simulate_order`.
+    """
     with open(path, newline="") as f:
         rows = {r: [c.strip() for c in row if c.strip()] for r, row in enumerate(csv.reader(f))}
     if len(rows) != world:
         raise ValueError(f"{path} has {len(rows)} rows but the job has {world} ranks: write one row per rank.")
-    stage_rank: dict[int, int] = {}
-    mbs = set()
-    for r, acts in rows.items():
-        for a in acts:
-            m = _ACTION.match(a)
-            if m is None:
-                raise ValueError(f"rank {r}: cannot read action {a!r}; write <stage><kind><microbatch> with kind "
-                                 f"F, B, I or W, e.g. 0F1 or 1W0 (communication is added by torch).")
-            stage, mb = int(m.group(1)), int(m.group(3))
-            if stage_rank.setdefault(stage, r) != r:
-                raise ValueError(f"stage {stage} appears on rank {stage_rank[stage]} and rank {r}: a stage lives "
-                                 f"on one rank.")
-            mbs.add(mb)
-    n_stages = max(stage_rank) + 1
-    missing = sorted(set(range(n_stages)) - set(stage_rank))
+    order = {r: [parse_action(a, f"rank {r}, position {i}") for i, a in enumerate(acts)] for r, acts in rows.items()}
+    actions = [a for acts in order.values() for a in acts]
+    if not actions:
+        raise ValueError(f"{path} lists no actions: write each rank's actions in its row, e.g. 0F0,0F1,0B0,0B1.")
+    n_stages = 1 + max(s for _, s, _ in actions)
+    missing = sorted(set(range(n_stages)) - {s for _, s, _ in actions})
     if missing:
         raise ValueError(f"stages {missing} appear in no row: every stage 0..{n_stages - 1} needs actions.")
-    return rows, stage_rank, max(mbs) + 1
+    n_microbatches = 1 + max(mb for _, _, mb in actions)
+    problems = check_order(order, n_stages, n_microbatches)
+    if problems:
+        raise ValueError("this order cannot run (communication is added by torch):\n- " + "\n- ".join(problems))
+    stage_rank = {s: r for r, acts in order.items() for _, s, _ in acts}
+    return rows, stage_rank, n_microbatches
 
 
 def make_runtime(stages: list, n_microbatches: int, loss_fn, order_csv: str | os.PathLike):
@@ -97,7 +95,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"[labkit] bad order: {e}", file=sys.stderr)
         return 2
-    out_dir = Path(a.out or os.environ.get("LABKIT_RUN_DIR") or ".")
+    out_dir = worker.run_dir(a.out)
     d = worker.init_distributed("cpu", 60.0)  # sleeping stages need no GPU
     from torch.distributed.pipelining import PipelineStage
 
@@ -123,30 +121,25 @@ def main(argv=None) -> int:
     with worker.maybe_profile(a.profile, d, out_dir):
         with worker.timed(d.device) as elapsed:
             schedule.step(*((x,) if has_first else ()), **({"target": y, "losses": step_losses} if has_last else {}))
-    grads = stage_grads(stages)
-    losses_here = [float(l.detach()) for l in step_losses]
-    check = check_step(full, stages, grads, losses_here, x, y, m, has_last, d.device, extra=[elapsed()])
-    last_rank = stage_rank[n_stages - 1]
-    losses = worker.broadcast_floats(losses_here if has_last else None, m, last_rank, d.device)
-    ok, diff, compared, expected, ref_losses = (check.ok, check.max_abs_diff, check.compared, check.expected,
-                                                check.reference_losses)
+    TimedBlock.timing = False  # the reference runs the same maths without spending the time
+    # the stage modules are the children of `full` (an nn.Sequential): names are "<stage>.<name>"
+    check = check_step(full, stages, x, y, step_losses, m, mse, prefix_stage_index=True, extra=[elapsed()],
+                       tolerance=1e-5)
     if d.rank == 0:
         schedule._dump_csv(str(out_dir / "order_with_comms.csv"), format="compute_comms")
-        worker.write_json(out_dir / "result.json", {
-            "status": "ok" if ok else "failed", "workload": "controlled", "schedule": "custom",
-            "pp_size": world, "n_stages": n_stages, "n_microbatches": m,
-            "stage_placement": [sorted(s for s, r in stage_rank.items() if r == rank) for rank in range(world)],
-            "order": {str(r): acts for r, acts in rows.items()}, "losses": losses, "reference_losses": ref_losses,
-            "reference_match": ok, "max_abs_diff": diff, "compared_param_elements": compared,
-            "model_param_elements": expected, "step_time_s": [max(r[0] for r in check.extras)],
-            "costs_ms": {"F": a.fwd_ms, "B": a.bwd_ms, "I": a.bwd_ms / 2, "W": a.bwd_ms / 2},
-            "torch": torch.__version__, "runtime": "torch.distributed.pipelining.schedules._PipelineScheduleRuntime",
-            "profiled": bool(a.profile),
-        })
-        print(f"[labkit] custom order x{world} ranks, {n_stages} stages, {m} microbatches: "
-              f"{'matches' if ok else 'DOES NOT match'} the unsplit model (max abs diff {diff:.2e})", flush=True)
+        worker.write_result(out_dir, d, check, workload="controlled", schedule="custom", pp_size=world,
+                            n_stages=n_stages, n_microbatches=m,
+                            stage_placement=[sorted(s for s, r in stage_rank.items() if r == rank)
+                                             for rank in range(world)],
+                            order={str(r): acts for r, acts in rows.items()},
+                            step_time_s=[max(r[0] for r in check.extras)],
+                            costs_ms={"F": a.fwd_ms, "B": a.bwd_ms, "I": a.bwd_ms / 2, "W": a.bwd_ms / 2},
+                            runtime="torch.distributed.pipelining.schedules._PipelineScheduleRuntime",
+                            profiled=bool(a.profile))
+        print(f"[labkit] custom order x{world} ranks, {n_stages} stages, {m} microbatches: {check.verdict()}",
+              flush=True)
     worker.teardown()
-    return 0 if ok else 3
+    return 0 if check.ok else 3
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Benchmarks of the kit itself: what it costs and whether its timelines tell the truth.
 
     python3 scripts/dev.py bench            # full run: bench/results.json + bench/RESULTS.md
-    python -m labkit.bench --quick          # a small, fast subset (what the test suite runs)
+    .venv/bin/python scripts/bench.py --quick   # a small, fast subset
+
+Dev tooling, not part of what a learner imports: it imports labkit, and finds the repository (its
+fixtures, notebooks and scripts) from its own place in it, scripts/bench.py.
 
 Every figure is a ratio or a fraction measured within one run, with A and B interleaved pair by
 pair, because these machines are noisy: never compare absolute times across runs.
 1. launch overhead: a short job through `labkit launch` vs plain `torchrun` (whole processes);
-2. capture overhead: the reference script's step time with PP log capture (+pp, microsecond
+2. capture overhead: the reference job's step time with PP log capture (+pp, microsecond
    format, to files) vs without, step by step inside each job (with an A/A control), and between
    whole jobs; the profiler between jobs;
 3. fidelity: measured vs ideal bubble on the controlled workload, GPipe and 1F1B, several shapes;
@@ -19,6 +22,7 @@ pair, because these machines are noisy: never compare absolute times across runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -31,8 +35,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .launch import REPO_ROOT
-
+REPO_ROOT = Path(__file__).resolve().parent.parent  # this file is <repo>/scripts/bench.py
 BENCH_DIR = REPO_ROOT / "bench"
 SHORT_JOB = textwrap.dedent("""
     import torch.distributed as dist
@@ -113,18 +116,22 @@ def _on_off_pairs(step_times: list[float], on: list[bool], skip: int = 2) -> lis
     return ratios
 
 
-def _reference_job(cfg, pp_logs: bool, extra: list[str]) -> dict:
-    """result.json of one run of the reference script on 2 ranks (quiet, in a throw-away folder)."""
-    from .launch import REFERENCE_SCRIPT, launch
+def _reference_launch(cfg, runs_root, job_args=(), **run_kw):
+    """One quiet run of the kit's reference job (`labkit.run`) for `cfg`, whatever it ends with."""
+    from labkit.launch import run
 
+    return run(cfg, job_args=job_args, runs_root=runs_root, **{"progress": False, "stream": "none", "check": False, **run_kw})
+
+
+def _reference_job(cfg, pp_logs: bool, extra: list[str]) -> dict:
+    """result.json of one run of the reference job (quiet, in a throw-away folder)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return launch(REFERENCE_SCRIPT, cfg.script_args() + extra, nproc=2, runs_root=tmp, progress=False,
-                      stream="none", pp_logs=pp_logs).result
+        return _reference_launch(cfg, tmp, extra, pp_logs=pp_logs).result
 
 
 def _capture_config(preset: str, steps: int):
     """The capture and profiler benchmarks' job: 1F1B, 2 ranks, 4 microbatches."""
-    from .config import RunConfig
+    from labkit.config import RunConfig
 
     return RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
 
@@ -152,7 +159,7 @@ def capture_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> d
 
 def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between_jobs: int = 3,
                      between_steps: int = 10) -> dict:
-    """PP log capture's cost on the reference script's step time, and the profiler's.
+    """PP log capture's cost on the reference job's step time, and the profiler's.
 
     `capture` and `control` (the figure with the target, and its A/A test): capture_within_jobs.
     Steps of one job share the machine's mood; two jobs in a row do not (their median step times
@@ -162,7 +169,7 @@ def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between
     within = capture_within_jobs(n, steps, preset)
     cfg = _capture_config(preset, between_steps)
     step_time = lambda pp_logs, profile=False: statistics.median(
-        _reference_job(cfg, pp_logs, ["--profile"] if profile else [])["step_time_s"][1:])  # step 1 warms up
+        _reference_job(dataclasses.replace(cfg, profile=profile), pp_logs, [])["step_time_s"][1:])  # step 1 warms up
     logs, none_a = _pairs(lambda: step_time(True), lambda: step_time(False), between_jobs)
     prof, none_b = _pairs(lambda: step_time(False, True), lambda: step_time(False), between_jobs)
     return {**within,
@@ -173,9 +180,9 @@ def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between
 def fidelity(shapes=((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)), schedules=("GPipe", "1F1B"),
              fwd_ms: float = 30, bwd_ms: float = 60) -> list[dict]:
     """Measured (PP logs, waits trimmed) vs ideal (closed form) bubble on the controlled workload."""
-    from .compare import measured_vs_ideal
-    from .theory import closed_form_bubble
-    from .workload import WorkloadConfig, run_controlled
+    from labkit.compare import measured_vs_ideal
+    from labkit.theory import closed_form_bubble
+    from labkit.workload import WorkloadConfig, run_controlled
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,7 +215,7 @@ def parser_throughput(sizes=(10_000, 100_000, 1_000_000), repeats: int = 3) -> d
     """
     import gc
 
-    from .pplog import parse_lines, to_timeline
+    from labkit.logs import parse_lines, to_timeline
 
     base = [l for l in _fixture_lines() if l[:1].isdigit()]
     t0 = float(base[0].split(" ", 1)[0])
@@ -258,8 +265,8 @@ def gpu(schedules=("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBV
 
     if not torch.cuda.is_available():
         return None
-    from .config import RunConfig
-    from .launch import run
+    from labkit.config import RunConfig
+    from labkit.launch import run
 
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "schedules": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,33 +292,33 @@ TUTORIAL_SCRIPT = REPO_ROOT / "scripts" / "tutorial_as_written.py"
 
 
 def tutorial_vs_kit(sizes: str = "small", steps: int = 10, n: int = 3, device: str = "cpu") -> dict:
-    """Median step time of the kit's reference script over the official tutorial's program as written.
+    """Median step time of the kit's reference job over the official tutorial's program as written.
 
     Same work on both sides: 2 ranks, the manual split in halves, GPipe over 4 microbatches, the
     tutorial's layout and sizes (`sizes`: a preset name). Both go through `labkit.launch` without
     PP log capture, so the ratio is the scripts' difference alone. Step 1 of each run is left out.
     device "cpu" hides GPUs from both (the tutorial picks `cuda:{rank}` whenever CUDA is there).
     """
-    from .config import RunConfig
-    from .launch import REFERENCE_SCRIPT, launch
+    from labkit.config import RunConfig
+    from labkit.launch import launch
 
     cfg = RunConfig(schedule="GPipe", pp_size=2, n_microbatches=4, preset=sizes, layout="tutorial",
                     split="manual", steps=steps, device=device)
-    env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else None
+    quiet = {"pp_logs": False, "env": {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else None, "check": False}
 
-    def median_step(script, args) -> float:
+    def median_step(start) -> float:
         with tempfile.TemporaryDirectory() as tmp:
-            # check=False: with the tutorial's layout the kit's script reports the mismatch it is known for
+            # check=False: with the tutorial's layout the kit's job reports the mismatch it is known for
             # (exit 3, notebook 03); its step times are still real. Anything else is a failure.
-            r = launch(script, args, nproc=2, runs_root=tmp, progress=False, stream="none", pp_logs=False, env=env,
-                       check=False)
+            r = start(tmp)
             known_mismatch = (r.result or {}).get("reference_match") is False and r.failed_rank is not None
             if not (r.ok or known_mismatch) or not (r.result or {}).get("step_time_s"):
                 raise RuntimeError(f"benchmark job failed ({r.status}):\n{r.error}")
             return statistics.median(r.result["step_time_s"][1:])
 
-    kit = lambda: median_step(REFERENCE_SCRIPT, cfg.script_args())
-    tutorial = lambda: median_step(TUTORIAL_SCRIPT, ["--sizes", sizes, "--steps", str(steps)])
+    kit = lambda: median_step(lambda tmp: _reference_launch(cfg, tmp, **quiet))
+    tutorial = lambda: median_step(lambda tmp: launch(TUTORIAL_SCRIPT, ["--sizes", sizes, "--steps", str(steps)],
+                                                      nproc=2, runs_root=tmp, progress=False, stream="none", **quiet))
     return {**_ratio(*_pairs(kit, tutorial, n)), "sizes": sizes, "steps": steps, "device": device}
 
 
@@ -350,7 +357,7 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
         res["notebook_suite_s"] = notebook_suite()
     else:
         res["notebook_suite_s"] = None
-    say("kit's reference script vs the tutorial's program as written (CPU)")
+    say("kit's reference job vs the tutorial's program as written (CPU)")
     tk = tutorial_vs_kit(sizes="tiny" if quick else "small", steps=4 if quick else 10, n=1 if quick else 3)
     res["tutorial_vs_kit_ratio"], res["tutorial_vs_kit"] = tk["ratio"], tk
     say("gpu")
@@ -412,7 +419,7 @@ def markdown(res: dict) -> str:
                  "| notebook suite under nbval | not measured | <= 600 s | - |")
     tk = res.get("tutorial_vs_kit")
     if tk:
-        lines.append(f"| kit's reference script / the tutorial's program as written (step time, {tk['sizes']} sizes, "
+        lines.append(f"| kit's reference job / the tutorial's program as written (step time, {tk['sizes']} sizes, "
                      f"{tk['device']}) | {tk['ratio']:.3f}x | ~1 (reported) | - |")
     g = res["gpu"]
     if g.get("available") is False:

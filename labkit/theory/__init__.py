@@ -1,0 +1,24 @@
+"""Ideal pipeline schedules: what each torch schedule plans, and what it would do on perfect hardware.
+
+plans.py (the per-rank order torch plans), cost.py (the cost model, closed forms, fitting costs to a
+run), simulate.py (replaying an order: ideal timelines and deadlocks). Orders themselves, how they
+are written and checked, are `labkit.orders`. Taught in notebooks 03, 04-06 and 08.
+"""
+
+from ..orders import ScheduleError, check_order
+from .cost import Cost, closed_form_bubble, fit_cost
+from .plans import planned_actions
+from .simulate import ScheduleDeadlock, simulate, simulate_order, theory_json
+
+__all__ = [
+    "Cost",
+    "ScheduleError",
+    "ScheduleDeadlock",
+    "planned_actions",
+    "check_order",
+    "simulate",
+    "simulate_order",
+    "closed_form_bubble",
+    "fit_cost",
+    "theory_json",
+]

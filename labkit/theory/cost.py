@@ -1,0 +1,144 @@
+"""The cost model: how long each kind of action takes, the closed-form bubble, and costs fitted to a run.
+
+Perfect hardware where every forward takes `Cost.F`, every backward `Cost.B` (or `Cost.I` +
+`Cost.W` when it is split) and a hop between ranks `Cost.p2p`. Taught in notebooks 03 (bubbles),
+04 (the closed form) and 06 (measured vs ideal: `fit_cost`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import ConfigError
+from ..orders import ScheduleError
+from ..timeline import COMPUTE_KINDS, Timeline
+from ..config import validate_sizes
+
+_COST_KEYS = {"f": "F", "b": "B", "i": "I", "w": "W", "p2p": "p2p"}
+_COST_EXAMPLE = "e.g. --cost F=1,B=2 or --cost F=1,I=1,W=1,p2p=0.1"
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Durations of one action of each kind (any unit, the same for all)."""
+
+    F: float = 1.0
+    """Forward of one stage on one microbatch."""
+    B: float = 2.0
+    """Full backward (input and weight gradients together)."""
+    I: float | None = None  # noqa: E741 (the glossary's name for backward-input)
+    """Backward for the inputs only (split-backward schedules); default B/2."""
+    W: float | None = None
+    """Backward for the weights only (split-backward schedules); default B/2."""
+    p2p: float = 0.0
+    """Latency between a stage's output and the dependent action on ANOTHER rank (0 on the same rank)."""
+    unit: str = "units"
+    """Name of the time unit, for axis labels: "units" for made-up costs, "s" for fitted ones."""
+
+    def __post_init__(self) -> None:
+        for name in ("F", "B", "I", "W", "p2p"):
+            value = getattr(self, name)
+            if value is None and name in ("I", "W"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"Cost {name} must be a finite number (a duration), got {value!r}. "
+                                  f"Use {_COST_EXAMPLE}.")
+            if value < 0:
+                raise ConfigError(f"Cost {name} must be >= 0 (a duration), got {value}. Use {_COST_EXAMPLE}.")
+
+    @property
+    def input_grad(self) -> float:
+        """Resolved I: the given value, else B/2."""
+        return self.B / 2 if self.I is None else float(self.I)
+
+    @property
+    def weight_grad(self) -> float:
+        """Resolved W: the given value, else B/2."""
+        return self.B / 2 if self.W is None else float(self.W)
+
+    def duration(self, kind: str) -> float:
+        """Duration of one action of `kind` (F, B, I or W)."""
+        if kind == "F":
+            return float(self.F)
+        if kind == "B":
+            return float(self.B)
+        if kind == "I":
+            return self.input_grad
+        if kind == "W":
+            return self.weight_grad
+        raise ScheduleError(f"No cost for action kind {kind!r}: the simulator knows {', '.join(COMPUTE_KINDS)}.")
+
+    def to_dict(self) -> dict:
+        """Plain dict with I and W resolved (what `Timeline.meta['cost']` holds)."""
+        return {"F": float(self.F), "B": float(self.B), "I": self.input_grad, "W": self.weight_grad,
+                "p2p": float(self.p2p), "unit": self.unit}
+
+    @classmethod
+    def parse(cls, text: str) -> "Cost":
+        """Parse the CLI's `--cost` value, e.g. "F=1,B=2" or "F=1,I=1,W=0.5,p2p=0.1" (missing keys keep defaults)."""
+        if not isinstance(text, str):
+            raise ConfigError(f"--cost must be a string like 'F=1,B=2', got {text!r}.")
+        values: dict[str, float] = {}
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ConfigError(f"Cannot read {part!r} in --cost {text!r}: expected KEY=VALUE pairs separated by "
+                                  f"commas ({_COST_EXAMPLE}).")
+            key, raw = (s.strip() for s in part.split("=", 1))
+            name = _COST_KEYS.get(key.lower())
+            if name is None:
+                raise ConfigError(f"Unknown cost key {key!r} in --cost {text!r}. Known keys: F, B, I, W, p2p "
+                                  f"({_COST_EXAMPLE}).")
+            if name in values:
+                raise ConfigError(f"Cost key {name} is given twice in --cost {text!r}: keep one.")
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ConfigError(f"Cost {name}={raw!r} is not a number in --cost {text!r} ({_COST_EXAMPLE}).") from None
+            values[name] = value
+        return cls(**values)
+
+
+def closed_form_bubble(pp_size: int, n_microbatches: int, definition: str = "fraction") -> float:
+    """GPipe / 1F1B bubble with equal stages and no p2p latency.
+
+    definition "fraction" (default): idle share of wall time, (p-1)/(m+p-1).
+    definition "ratio": idle over busy (ideal compute), (p-1)/m.
+    """
+    validate_sizes(pp_size, n_microbatches)
+    if definition == "fraction":
+        return (pp_size - 1) / (n_microbatches + pp_size - 1)
+    if definition == "ratio":
+        return (pp_size - 1) / n_microbatches
+    raise ConfigError(f"definition must be 'fraction' (idle/(ranks x makespan)) or 'ratio' (idle/busy), got {definition!r}.")
+
+
+def fit_cost(timeline: Timeline, p2p: float = 0.0) -> Cost:
+    """Mean F, B, I, W durations of a (measured) timeline, to draw its ideal with `simulate`.
+
+    Kinds that never ran keep their defaults (I, W: B/2); a split-backward run without any B gets
+    B = I + W. p2p is not measured here: pass it if you know it. Notebook 06.
+    """
+    comp = timeline.compute()
+    if not comp:
+        raise ScheduleError("This timeline has no compute actions (F, B, I, W) to fit costs from: "
+                            "did the run log with TORCH_LOGS=+pp?")
+    by_kind: dict[str, list[float]] = {}
+    for a in comp:
+        by_kind.setdefault(a.kind, []).append(a.duration)
+    mean = {k: sum(v) / len(v) for k, v in by_kind.items()}
+    values: dict = {"p2p": p2p}
+    for k in ("F", "I", "W"):
+        if k in mean:
+            values[k] = mean[k]
+    if "B" in mean:
+        values["B"] = mean["B"]
+    elif "I" in mean and "W" in mean:
+        values["B"] = mean["I"] + mean["W"]
+    if timeline.source == "theory":
+        values["unit"] = timeline.meta.get("unit", "units")
+    else:
+        values["unit"] = "s"
+    return Cost(**values)
