@@ -27,6 +27,16 @@ def stack_frames(text: str) -> list[tuple[str, int, str]]:
     return [(m.group(1), int(m.group(2)), m.group(3)) for m in map(FRAME.match, text.splitlines()) if m]
 
 
+def current_thread(dump: str) -> str:
+    """The part of a faulthandler dump about the thread that was interrupted (the main thread of a
+    rank stuck in a collective), without the other threads printed after it."""
+    i = dump.find("Current thread")
+    if i < 0:
+        return dump
+    j = dump.find("\nThread 0x", i)
+    return dump[i:] if j < 0 else dump[i:j]
+
+
 def rank_errors(run_dir: Path) -> dict[int, dict]:
     """torchrun's per-rank error.json files (written by @record when a rank raises)."""
     out = {}
@@ -98,8 +108,7 @@ def stack_report(run: Run) -> dict[int, str]:
             continue
         dump = text[i:]
         dumps.append(f"=== rank {rank} ===\n{dump}")
-        current = dump[dump.find("Current thread"):] if "Current thread" in dump else dump
-        frames = stack_frames(current)
+        frames = stack_frames(current_thread(dump))
         if not frames:
             where[rank] = "stack dump has no Python frames"
             continue
