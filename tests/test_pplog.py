@@ -510,6 +510,7 @@ def test_paths_and_gz(tmp_path):
     assert [logs.rank_from_path(f) for f in files] == [0, 1]
     assert logs.rank_from_path("/x/logs/abc/attempt_0/3/stderr.log") == 3
     assert logs.rank_from_path("rank7.log") == 7 and logs.rank_from_path("combined.log") is None
+    assert logs.rank_from_path("/pool/cells/007/rank1.log") == 1  # a live-ranks cell: the name beats the folder
     clean = logs.timeline_from_path(d)
     # the same logs gzipped, and a newer attempt (a restart) that wins over attempt_0
     copy = tmp_path / "run"

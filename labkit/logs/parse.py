@@ -349,12 +349,14 @@ _RANK_NAME_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 
 def rank_from_path(path: str | os.PathLike) -> int | None:
-    """torchrun's `.../attempt_0/<rank>/stderr.log` -> rank (also `rank3.log`); None if the path says nothing."""
+    """`rank3.log` -> 3, else torchrun's `.../attempt_0/<rank>/stderr.log` -> rank; None if the path says
+    nothing. The file's own name wins: a live-ranks cell keeps `cells/007/rank1.log`, whose folder is
+    the cell's number."""
     s = str(path)
-    m = _RANK_DIR_RE.search(s)
+    m = _RANK_NAME_RE.search(os.path.basename(s))
     if m:
         return int(m.group(1))
-    m = _RANK_NAME_RE.search(os.path.basename(s))
+    m = _RANK_DIR_RE.search(s)
     return int(m.group(1)) if m else None
 
 

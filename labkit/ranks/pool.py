@@ -1,0 +1,364 @@
+"""`labkit.Ranks`: a pool of live torchrun ranks that run code sent from the notebook, cell by cell.
+
+    with labkit.Ranks(nproc=2) as pool:
+        pool.exec("x = torch.ones(2) * rank")
+        pool.exec("x.sum().item()")          # {0: 0.0, 1: 2.0}
+        pool.timeline()                       # the PP timeline of the last cell
+
+Owns what a cell means across ranks: sending it, streaming its output, collecting each rank's
+result, and every way it can go wrong. One rank raising: `RanksError` with that rank's traceback,
+and every other rank keeps its namespace. Ranks left blocked by that failure (a send, recv or
+collective waiting for the failed rank, no answer within `PEER_GRACE_S`), a cell past its
+deadline, a rank that died: the error shows where each rank was (its Python stack) and the pool
+restarts, so namespaces are lost and the message says so. Jupyter's Stop (KeyboardInterrupt)
+sends SIGINT to the ranks; KeyboardInterrupt is raised again once they stopped (or the pool was
+restarted because some would not). Every cell's code and per-rank PP logs are kept under
+`<run dir>/cells/<NNN>/`. Taught in notebook 01 (live ranks); notebook 00 introduces it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from ..config import ConfigError
+from ..launching.command import preflight_device
+from ..launching.rundir import new_run_dir
+from . import channel
+from .cell import Cell
+from .job import Job, StartError
+from .output import CellOutput
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_RANKS_TIMEOUT", "120"))  # a cell's deadline
+START_TIMEOUT_S = 120.0
+PEER_GRACE_S = 3.0       # after one rank fails, how long the others get to finish before they count as blocked
+INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long the ranks get to stop
+STACKS_WAIT_S = 1.5
+DEVICES = ("auto", "cpu", "cuda")
+
+_POOLS: set = set()  # every open pool, closed at exit
+_current = None      # the pool %%ranks uses: the one started last
+
+
+class RanksError(RuntimeError):
+    """A cell that failed on some rank. `failed`: {rank: traceback}; `blocked`: {rank: stack} of ranks
+    that never finished; `restarted`: the pool was restarted (namespaces lost); `results`: what the
+    ranks that finished returned."""
+
+    def __init__(self, message: str, cell: int | None = None, failed: dict | None = None,
+                 blocked: dict | None = None, restarted: bool = False, results: dict | None = None):
+        super().__init__(message)
+        self.cell, self.failed, self.blocked = cell, failed or {}, blocked or {}
+        self.restarted, self.results = restarted, results or {}
+
+    def _render_traceback_(self):
+        # IPython shows this instead of a traceback through the kit's own frames: the message
+        # already holds the rank's traceback, which is the one that matters.
+        return [f"{type(self).__name__}: {self}"]
+
+
+def current():
+    """The pool `%%ranks` runs cells on (the one started last), or None."""
+    return _current if _current is not None and not _current.closed else None
+
+
+def _indent(text: str, pad: str = "    ") -> str:
+    return "\n".join(pad + l for l in text.rstrip().splitlines())
+
+
+def _names(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Ranks:
+    """A pool of `nproc` live ranks under torchrun (real launcher, real process group).
+
+    device: "auto" (one GPU per rank when there are enough, else CPU), "cpu" or "cuda".
+    timeout: a cell's default deadline in seconds ($LABKIT_RANKS_TIMEOUT or 120); exec(timeout=) overrides it.
+    live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook".
+    runs_root / out: where the pool's run directory goes (as for `labkit.launch`).
+    """
+
+    def __init__(self, nproc: int = 2, device: str = "auto", *, timeout: float = DEFAULT_TIMEOUT_S,
+                 start_timeout: float = START_TIMEOUT_S, runs_root=None, out=None, live: str = "auto",
+                 pg_timeout: float = 600.0):
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+            raise ConfigError(f"nproc must be a whole number >= 1, got {nproc!r}.")
+        if device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+        self.timeout = self._check_timeout(timeout)
+        preflight_device(device, nproc)
+        self.nproc, self.device, self.live = nproc, device, live
+        self.start_timeout, self.pg_timeout = start_timeout, pg_timeout
+        self.run_dir = new_run_dir(out, "ranks", runs_root).resolve()
+        (self.run_dir / "config.json").write_text(json.dumps({"pool": "labkit.Ranks", "nproc": nproc, "device": device,
+                                                              "timeout": timeout}, indent=2))
+        self.closed = True
+        self.restarts = -1
+        self.cells_run = 0
+        self.last_cell: int | None = None
+        self._job: Job | None = None
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+        self._start()
+
+    # ---- life cycle
+
+    def _start(self) -> None:
+        global _current
+        if self.restarts == -1:
+            from ..clean import clean, describe
+
+            ended = clean(all_jobs=False)  # orphans of an earlier kernel that died hard
+            channel.sweep_stale()  # ... and the socket folders it left
+            if ended:
+                print(f"[labkit] before starting the pool: {describe(ended)}", file=sys.stderr, flush=True)
+        self.restarts += 1
+        job = Job(self.run_dir, self.nproc, self.device, self.pg_timeout, self.restarts)
+        try:
+            job.start(self.start_timeout)
+        except StartError as e:
+            tail = job.tail(0) if job.rank_log(0) else "(rank 0 wrote no log)"
+            launcher = job.launcher_tail()  # before stopping: then it only shows torchrun being ended
+            job.stop()
+            raise RanksError(
+                f"The pool's {self.nproc} ranks did not start: {e}\nCommand: {' '.join(job.command)}\n"
+                f"Run directory: {self.run_dir}\nLast lines of launcher.log:\n{_indent(launcher)}\n"
+                f"Last lines of rank 0's log:\n{_indent(tail)}\nCheck `labkit doctor`; on a slow machine pass "
+                f"start_timeout= (now {self.start_timeout:g} s).") from None
+        except BaseException:
+            job.stop()
+            raise
+        self._job, self.closed = job, False
+        _POOLS.add(self)
+        _current = self
+
+    def close(self) -> None:
+        """End every rank and the torchrun agent; nothing is left running. Safe to call twice."""
+        global _current
+        job, self._job, self.closed = self._job, None, True
+        if job is not None:
+            job.stop()
+        _POOLS.discard(self)
+        if _current is self:
+            _current = None
+
+    def restart(self) -> None:
+        """A fresh process group and fresh namespaces (same run directory; cell numbers go on)."""
+        if self._job is not None:
+            self._job.stop()
+            self._job = None
+        self.closed = True
+        self._start()
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- cells
+
+    def exec(self, code: str, ranks=None, timeout: float | None = None) -> dict:
+        """Run `code` on every rank (or the listed ones); {rank: value of the cell's last expression, or None}.
+
+        Raises RanksError when any rank fails (see the module docstring for what is kept), and
+        KeyboardInterrupt (after stopping the ranks) when interrupted.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str of Python source, got {type(code).__name__}.")
+        if self.closed or self._job is None:
+            raise RanksError("This pool is closed. Start a new one with labkit.Ranks(...) (or %ranks start), "
+                             "or call pool.restart().")
+        targets = self._targets(ranks)
+        limit = self._check_timeout(self.timeout if timeout is None else timeout)
+        if not self._lock.acquire(blocking=False):
+            raise RanksError("The pool is already running a cell (from another thread); wait for it to finish.")
+        try:
+            return self._exec(code, targets, limit)
+        finally:
+            self._busy = set()
+            self._lock.release()
+
+    def _exec(self, code: str, targets: list[int], limit: float) -> dict:
+        job = self._job
+        self.cells_run += 1
+        n = self.last_cell = self.cells_run
+        cell_dir = self.cell_dir(n)
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        (cell_dir / "cell.py").write_text(code)
+        cell = Cell(n, targets, job, CellOutput(self.live))
+        self._busy = cell.busy
+        try:
+            try:
+                for r in targets:
+                    if not job.send(r, {"t": "exec", "cell": n, "code": code, "log": str(cell_dir / f"rank{r}.log")}):
+                        cell.handle(r, None)
+                cell.pump(time.monotonic() + limit, lambda: not cell.busy or cell.failed())
+                if cell.busy and cell.failed():  # the others get a grace to finish (or to show they are blocked)
+                    cell.pump(time.monotonic() + PEER_GRACE_S, lambda: not cell.busy)
+            except KeyboardInterrupt:
+                self._interrupted(cell)
+                raise
+        finally:
+            cell.out.finish()
+            if cell.note:
+                print(cell.note, file=sys.stderr, flush=True)
+        return self._conclude(cell, limit)
+
+    def _conclude(self, cell: Cell, limit: float) -> dict:
+        n = cell.n
+        failed = {r: m["error"] for r, m in sorted(cell.failures.items())}
+        parts = []
+        if failed:
+            for r, tb in failed.items():
+                parts.append(f"Cell {n} failed on rank {r}:\n{_indent(tb)}")
+        if cell.busy:
+            blocked = self._stacks(cell, cell.busy)
+            if blocked:
+                if cell.failed():
+                    who = _names(set(failed) | set(cell.dead))
+                    parts.append(f"{_names(blocked).capitalize()} did not finish within {PEER_GRACE_S:g} s after "
+                                 f"{who} failed: blocked, most likely in a send, recv or collective waiting for "
+                                 f"{who}. Where each was:")
+                else:
+                    parts.append(f"Cell {n} did not finish within its {limit:g} s deadline on {_names(blocked)}. "
+                                 f"Where each rank was:")
+                parts += [f"  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(blocked.items())]
+                if not cell.failed():
+                    parts.append("If the cell is just slow, raise the deadline: exec(..., timeout=S) or %%ranks --timeout S.")
+                return self._restart_and_raise(cell, parts, failed, blocked)
+        if cell.dead:
+            first, *rest = cell.dead
+            parts.append(f"Rank {first}'s process ended during cell {n} (pid {cell.job.pid(first)}). "
+                         f"Last lines of its log:\n{_indent(cell.job.tail(first))}")
+            if rest:
+                parts.append(f"Then {_names(rest)} ended too (torchrun ends a job when one of its ranks does).")
+            return self._restart_and_raise(cell, parts, failed, {})
+        if failed:
+            parts.append(f"The pool keeps running and every rank keeps its namespace (on the failed "
+                         f"{_names(failed)}, what the cell did before the error stays done). Fix the cell and run it again.")
+            raise RanksError("\n".join(parts), n, failed, {}, False, dict(cell.results))
+        return {r: cell.results.get(r) for r in cell.targets}
+
+    def _stacks(self, cell: Cell, ranks) -> dict[int, str]:
+        """Where each still-busy rank is: its reader thread answers with the main thread's stack;
+        faulthandler (SIGUSR1, into its stderr.log) when it cannot. Ranks that finish meanwhile drop out."""
+        ask = sorted(ranks)
+        for r in ask:
+            cell.job.send(r, {"t": "stacks", "id": cell.n})
+        cell.pump(time.monotonic() + STACKS_WAIT_S, lambda: all(r in cell.stacks or r not in cell.busy for r in ask))
+        return {r: cell.stacks.get(r) or cell.job.faulthandler_stack(r) for r in ask if r in cell.busy}
+
+    def _restart_and_raise(self, cell: Cell, parts: list[str], failed: dict, blocked: dict):
+        try:
+            self.restart()
+            parts.append(f"The pool was restarted ({self.nproc} fresh ranks, a new process group): every rank's "
+                         f"namespace was lost. Run your set-up cells again.")
+        except Exception as e:
+            parts.append(f"Restarting the pool failed too ({e}); call pool.restart() (or %ranks restart).")
+        raise RanksError("\n".join(parts), cell.n, failed, blocked, True, dict(cell.results))
+
+    def _interrupted(self, cell: Cell) -> None:
+        """Jupyter's Stop while a cell runs: SIGINT to the busy ranks, a grace, a restart if some stay blocked."""
+        busy = sorted(cell.busy)
+        cell.job.signal(busy, signal.SIGINT)
+        try:
+            cell.pump(time.monotonic() + INTERRUPT_GRACE_S, lambda: not cell.busy)
+        except KeyboardInterrupt:
+            pass  # a second Stop: stop waiting
+        if cell.busy or cell.dead:
+            stuck = sorted(cell.busy | set(cell.dead))
+            stacks = self._stacks(cell, cell.busy) if cell.busy else {}
+            where = "".join(f"\n  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(stacks.items()))
+            try:
+                self.restart()
+                after = "the pool was restarted: every rank's namespace was lost. Run your set-up cells again."
+            except Exception as e:
+                after = f"restarting the pool failed ({e}); call pool.restart()."
+            cell.note = (f"[labkit] cell {cell.n} interrupted: {_names(stuck)} did not stop within "
+                         f"{INTERRUPT_GRACE_S:g} s of SIGINT{' (blocked in a send, recv or collective?)' if cell.busy else ''}; "
+                         f"{after}{where}")
+        else:
+            cell.note = (f"[labkit] cell {cell.n} interrupted: {_names(busy)} stopped (KeyboardInterrupt); "
+                         f"every rank keeps its namespace.")
+
+    # ---- what a cell left
+
+    def cell_dir(self, n: int | None = None):
+        n = self.last_cell if n is None else n
+        if n is None:
+            raise RanksError("No cell has run on this pool yet.")
+        return self.run_dir / "cells" / f"{n:03d}"
+
+    def timeline(self, cell: int | None = None):
+        """The measured `Timeline` of a cell's PP logs (the last cell by default), waits taken out."""
+        from ..compare import load_timeline
+
+        d = self.cell_dir(cell)
+        files = {int(p.stem[4:]): p for p in d.glob("rank*.log") if p.stem[4:].isdigit() and p.stat().st_size > 0}
+        if not files:
+            raise RanksError(f"Cell {int(d.name)} logged no pipelining actions ({d} has no rank*.log): run a "
+                             f"schedule's step() in the cell, then ask for its timeline.")
+        tl = load_timeline([p for _, p in sorted(files.items())])  # rank from the name: cells/007/rank1.log -> 1
+        tl.meta["files"] = [str(p) for _, p in sorted(files.items())]
+        if not tl.compute():
+            raise RanksError(f"Cell {int(d.name)}'s PP logs hold no forward/backward actions ({d}): did the cell "
+                             f"call schedule.step()?")
+        return tl
+
+    def status(self) -> dict:
+        """Per-rank pid / alive / busy, the run directory, cells run and restarts."""
+        job = self._job
+        hello = job.hello.get(0, {}) if job else {}
+        return {"running": not self.closed and job is not None, "nproc": self.nproc, "device": hello.get("device", self.device),
+                "backend": hello.get("backend"), "run_dir": str(self.run_dir), "cells_run": self.cells_run,
+                "restarts": max(self.restarts, 0),
+                "ranks": [{"rank": r, "pid": job.pid(r) if job else None, "alive": bool(job) and job.alive(r),
+                           "busy": r in self._busy} for r in range(self.nproc)]}
+
+    def pids(self) -> list[int]:
+        """The rank processes' pids, in rank order (plus nothing else: the agent is `agent_pid`)."""
+        return [self._job.pid(r) for r in range(self.nproc)] if self._job else []
+
+    @property
+    def agent_pid(self) -> int | None:
+        return self._job.proc.pid if self._job and self._job.proc else None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "running"
+        return f"Ranks(nproc={self.nproc}, device={self.device!r}, {state}, cells_run={self.cells_run}, run_dir='{self.run_dir}')"
+
+    # ---- checks
+
+    def _targets(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.nproc))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        out = sorted(set(ranks))
+        bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nproc]
+        if bad or not out:
+            raise ConfigError(f"ranks must be rank numbers from 0 to {self.nproc - 1}, got {ranks!r}.")
+        return out
+
+    @staticmethod
+    def _check_timeout(t) -> float:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {t!r}.")
+        return float(t)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_POOLS):
+        try:
+            pool.close()
+        except Exception:
+            pass

@@ -1,0 +1,268 @@
+"""The rank side of a live pool: `python -m labkit.ranks.rank`, started by torchrun for `labkit.Ranks`.
+
+Owns what one rank does between cells: join the process group, connect to the kernel's socket,
+then run every cell it is sent in one namespace that lives as long as the rank (`rank`,
+`world_size`, `device`, `dist`, `torch` are there from the start). The main thread runs cells; a
+daemon thread reads the socket, answers "stacks" requests (where the main thread is, for a hung
+cell) and ends the process the moment the kernel goes away (EOF), so a killed kernel leaves no
+rank behind. While a cell runs, sys.stdout/sys.stderr send every chunk to the kernel and still
+write to the rank's own log file, and a FileHandler copies torch's pipelining logs of that cell
+to `cells/<NNN>/rank<r>.log`. Taught in notebook 01 (live ranks).
+"""
+
+from __future__ import annotations
+
+import ast
+import faulthandler
+import linecache
+import logging
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from . import channel
+
+PP_LOGGER = "torch.distributed.pipelining"
+# A line written at the top of a cell's log when the cell stepped a schedule built in an earlier
+# cell: it names the schedule (torch logs "Using ..." only when a schedule is built) and marks
+# where the cell began (the first action of a completion-logged schedule starts there).
+MARKER_SOURCE = "labkit_ranks_cell_start:0]"
+
+
+class _State:
+    cell: int | None = None  # the cell whose output goes to the kernel now
+    in_cell = False          # SIGINT raises KeyboardInterrupt only inside a cell
+    main_sending = False     # ... and never in the middle of a frame the main thread is writing
+    pending_interrupt = False
+    schedule: str | None = None  # the last "Using <Schedule>" torch logged on this rank
+
+
+STATE = _State()
+
+
+def _on_sigint(signum, frame):
+    # Installed explicitly: a process started in the background inherits SIGINT ignored (NOTES).
+    if not STATE.in_cell:
+        return
+    if STATE.main_sending:
+        STATE.pending_interrupt = True
+        return
+    raise KeyboardInterrupt
+
+
+class Link:
+    """The authenticated socket, shared by the main thread (output, results) and the reader (stacks)."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        with self.lock:
+            if main:
+                STATE.main_sending = True
+            try:
+                channel.send_msg(self.sock, msg)
+            except OSError:
+                os._exit(0)  # the kernel is gone: nothing left to do
+            finally:
+                if main:
+                    STATE.main_sending = False
+        if main and STATE.pending_interrupt and STATE.in_cell:
+            STATE.pending_interrupt = False
+            raise KeyboardInterrupt
+
+
+class Tee:
+    """sys.stdout / sys.stderr of a rank: every chunk to the rank's own stream (its log file) and,
+    while a cell runs, to the kernel too. Installed once for the rank's life (after torch is imported,
+    so torch's own log handler keeps the real stderr): a logging handler or thread that a cell
+    made and that holds on to sys.stderr keeps reaching the cells that come after it."""
+
+    def __init__(self, inner, name: str, link: Link):
+        self.inner, self.name, self.link = inner, name, link
+
+    def write(self, s) -> int:
+        n = self.inner.write(s)
+        cell = STATE.cell
+        if s and cell is not None:
+            self.link.send({"t": "out", "cell": cell, "stream": self.name, "text": str(s)})
+        return n if n is not None else len(s)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):  # encoding, fileno, buffer...: the real stream's
+        return getattr(self.inner, name)
+
+
+class _ScheduleSeen(logging.Handler):
+    """Remembers the schedule class torch announces ("Using ScheduleGPipe") when a schedule is built."""
+
+    def emit(self, record) -> None:
+        msg = record.getMessage()
+        if msg.startswith("Using "):
+            STATE.schedule = msg[6:].strip()
+
+
+def main_stack() -> str:
+    """Where the main thread is now, from the first frame of the cell (the runner's own frames left out)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "(no main thread)"
+    lines = traceback.format_stack(frame)
+    cell = [i for i, l in enumerate(lines) if '"<cell ' in l]
+    if not cell:
+        return "idle (not running a cell)\n" if not STATE.in_cell else "".join(lines)
+    return "".join(lines[cell[0]:])
+
+
+def _reader(link: Link, inbox: queue.Queue) -> None:
+    while True:
+        try:
+            msg = channel.recv_msg(link.sock)
+        except OSError:
+            msg = None
+        if msg is None or msg.get("t") == "exit":
+            # EOF: the kernel died or closed the pool. Skip the interpreter's teardown: a rank
+            # blocked in a collective could otherwise hang there.
+            for s in (sys.__stdout__, sys.__stderr__):
+                try:
+                    s.flush()
+                except Exception:
+                    pass
+            os._exit(0)
+        if msg.get("t") == "stacks":
+            link.send({"t": "stacks", "id": msg.get("id"), "text": main_stack()})
+        else:
+            inbox.put(msg)
+
+
+def _run_code(code: str, filename: str, ns: dict):
+    """exec the cell; the value of a last bare expression is returned, as IPython shows `Out[n]`."""
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), ns)
+    return eval(compile(last, filename, "eval"), ns) if last is not None else None
+
+
+def _format_error(e: BaseException) -> str:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # the runner's frames say nothing about the cell
+    return "".join(traceback.format_exception(type(e), e, tb))
+
+
+def _mark_schedule(path: str, started: float) -> None:
+    """If the cell logged pipelining actions but no "Using ..." line, put the remembered one first."""
+    if not STATE.schedule or not os.path.exists(path):
+        return
+    with open(path) as f:
+        text = f.read()
+    if not text or re.search(r"\] Using \S+$", text, re.M):
+        return
+    head = f"{started:.6f} I {PP_LOGGER}.labkit {MARKER_SOURCE} Using {STATE.schedule}\n"
+    with open(path, "w") as f:
+        f.write(head + text)
+
+
+def run_cell(msg: dict, ns: dict, link: Link) -> dict:
+    from ..launching.command import PP_LOG_FORMAT
+
+    n, code, log_path = msg["cell"], msg["code"], msg["log"]
+    filename = f"<cell {n}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the lines
+    handler = logging.FileHandler(log_path, delay=True)
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter(PP_LOG_FORMAT))
+    pp = logging.getLogger(PP_LOGGER)
+    pp.addHandler(handler)
+    STATE.cell = n
+    started = time.time()
+    try:
+        try:
+            STATE.in_cell = True
+            value = _run_code(code, filename, ns)
+            STATE.in_cell = False
+            reply = {"t": "done", "cell": n, "ok": True, "value": value}
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the rank lives on
+            STATE.in_cell = False
+            reply = {"t": "done", "cell": n, "ok": False, "error": _format_error(e), "exc_type": type(e).__name__,
+                     "interrupted": isinstance(e, KeyboardInterrupt)}
+    except KeyboardInterrupt:  # landed between the cell's end and the flag being cleared
+        STATE.in_cell = False
+        reply = {"t": "done", "cell": n, "ok": False, "error": "KeyboardInterrupt\n", "exc_type": "KeyboardInterrupt",
+                 "interrupted": True}
+    finally:
+        STATE.in_cell = False
+        STATE.pending_interrupt = False
+        STATE.cell = None
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        pp.removeHandler(handler)
+        handler.close()
+    _mark_schedule(log_path, started)
+    if reply["ok"]:
+        value = reply["value"]
+        if type(value).__module__.startswith("torch") and getattr(getattr(value, "device", None), "type", "cpu") != "cpu":
+            value = value.detach().cpu()  # the kernel may have no GPU
+        reply["value"] = channel.wrap(value)
+    reply["schedule"] = STATE.schedule
+    return reply
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, _on_sigint)
+    if hasattr(signal, "SIGUSR1"):  # the kernel's fallback when the reader thread cannot answer
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    # Out of os.environ: what a cell starts (or prints) never sees the secret.
+    path = os.environ.pop(channel.SOCKET_VAR, None)
+    secret = os.environ.pop(channel.SECRET_VAR, None)
+    if not path or not secret:
+        sys.exit("labkit.ranks.rank is started by labkit.Ranks (it needs the pool's socket and secret).")
+    link = Link(channel.connect(path, secret))
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(link, inbox), name="labkit-ranks-reader", daemon=True).start()
+
+    import torch
+    import torch.distributed as dist
+
+    from ..worker import init_distributed
+
+    logging.getLogger(PP_LOGGER).addHandler(_level(_ScheduleSeen(), logging.INFO))
+    sys.stdout, sys.stderr = Tee(sys.stdout, "stdout", link), Tee(sys.stderr, "stderr", link)
+    info = init_distributed(os.environ.get(channel.DEVICE_VAR, "auto"), float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))
+    ns = {"__name__": "__main__", "__builtins__": __builtins__, "rank": info.rank, "world_size": info.world_size,
+          "local_rank": info.local_rank, "device": info.device, "dist": dist, "torch": torch}
+    link.send({"t": "hello", "rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,
+               "pid": os.getpid(), "device": str(info.device), "backend": info.backend, "torch": torch.__version__})
+    while True:
+        try:
+            msg = inbox.get()
+            if msg.get("t") == "exec":
+                link.send(run_cell(msg, ns, link))
+        except KeyboardInterrupt:  # a late SIGINT between cells: nothing to stop
+            continue
+
+
+def _level(h: logging.Handler, level: int) -> logging.Handler:
+    h.setLevel(level)
+    return h
+
+
+if __name__ == "__main__":
+    main()

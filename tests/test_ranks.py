@@ -1,0 +1,354 @@
+"""Live ranks (labkit.ranks): a real torchrun pool of 2 gloo ranks, shared by the tests of this file.
+
+Each fault test says what it costs: a restart is about 3-6 s on 2 cores. Order matters a little:
+tests that restart the pool come after those that check that state is kept.
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import labkit
+from labkit.ranks import RanksError, channel
+
+BUILD = """
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+torch.manual_seed(0)
+full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+part = full[0:2] if rank == 0 else full[2:4]
+stage = PipelineStage(part, rank, world_size, device)
+sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.functional.mse_loss)
+x, y = torch.randn(4, 8), torch.randn(4, 8)
+"""
+STEP = """
+losses = []
+sched.step(x) if rank == 0 else sched.step(target=y, losses=losses)
+len(losses)
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = labkit.Ranks(nproc=2, device="cpu", runs_root=tmp_path_factory.mktemp("ranks"))
+    yield p
+    p.close()
+
+
+def _gone(pids, timeout: float = 10.0) -> list[int]:
+    """The pids among `pids` still running after up to `timeout` s (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+# ---- cells, namespaces, output -------------------------------------------------------------------
+
+def test_exec_returns_per_rank_values_and_keeps_namespaces(pool):
+    assert pool.exec("x = rank * 10") == {0: None, 1: None}
+    assert pool.exec("x + world_size") == {0: 2, 1: 12}
+    assert pool.exec("x += 1", ranks=[1]) == {1: None}
+    assert pool.exec("x") == {0: 0, 1: 11}
+    assert pool.exec("(str(device), dist.get_rank(), dist.get_backend(), torch.__name__)") == \
+        {r: ("cpu", r, "gloo", "torch") for r in (0, 1)}
+    with pytest.raises(labkit.ConfigError, match="from 0 to 1"):
+        pool.exec("pass", ranks=[2])
+
+
+def test_values_the_kernel_cannot_load_come_back_as_their_repr(pool):
+    got = pool.exec("class Point:\n    def __repr__(self):\n        return f'Point({rank})'\nPoint()")
+    assert [repr(v) for v in got.values()] == ["Point(0)", "Point(1)"]
+    assert pool.exec("torch.arange(3) + rank")[1].tolist() == [1, 2, 3]
+
+
+def test_output_is_prefixed_by_rank_and_still_in_the_rank_logs(pool, capsys):
+    pool.exec("import sys, logging\nprint('hello from', rank)\nprint('to stderr', rank, file=sys.stderr)\n"
+              "log = logging.getLogger('mine')\nlog.addHandler(logging.StreamHandler())")
+    out, err = capsys.readouterr()
+    assert "[rank0] hello from 0" in out and "[rank1] hello from 1" in out
+    assert "[rank0] to stderr 0" in err and "[rank1] to stderr 1" in err
+    pool.exec("log.warning('a handler made in an earlier cell still reaches the cell')", ranks=[0])
+    assert "[rank0] a handler made in an earlier cell" in capsys.readouterr().err
+    logs = sorted(Path(pool.run_dir).glob("logs/*/attempt_0/1/stdout.log"))
+    assert "hello from 1" in logs[-1].read_text()  # nothing lost: the rank's own log has it too
+    assert (pool.cell_dir(pool.last_cell - 1) / "cell.py").read_text().startswith("import sys, logging")
+
+
+def test_notebook_output_is_live_then_grouped_by_rank(monkeypatch, capsys):
+    """In Jupyter: live lines in a display that ends blank, then the text grouped by rank (what nbval compares)."""
+    import IPython.display
+
+    from labkit.ranks.output import CellOutput
+
+    shown = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(obj._repr_mimebundle_()["text/plain"])
+
+    def display(obj, display_id=False):
+        shown.append(obj._repr_mimebundle_()["text/plain"])
+        return Handle()
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    out = CellOutput(live="notebook")
+    for rank, stream, text in ((1, "stdout", "b1\nb"), (0, "stdout", "a1\n"), (1, "stdout", "2\n"),
+                               (0, "stderr", "warn\n"), (0, "stdout", "a2")):
+        out.write(rank, stream, text)
+        out._refresh(force=True)
+    out.finish()
+    assert shown[0] == "" and shown[-1] == "" and "[rank1] b1" in shown[1]
+    got = capsys.readouterr()
+    assert got.out == "[rank0] a1\n[rank0] a2\n[rank1] b1\n[rank1] b2\n" and got.err == "[rank0] warn\n"
+
+
+def test_status_names_every_rank(pool):
+    st = pool.status()
+    assert st["running"] and st["nproc"] == 2 and st["backend"] == "gloo" and st["device"] == "cpu"
+    assert [r["rank"] for r in st["ranks"]] == [0, 1]
+    assert all(r["alive"] and not r["busy"] and r["pid"] for r in st["ranks"])
+    assert st["run_dir"] == str(pool.run_dir) and st["cells_run"] == pool.cells_run > 0
+
+
+def test_an_empty_cell_round_trip_is_under_50_ms(pool):
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        pool.exec("pass")
+        times.append(time.perf_counter() - t)
+    median = statistics.median(times)
+    print(f"empty cell round trip, median of 20: {median * 1000:.2f} ms")
+    assert median < 0.05
+
+
+def test_a_pipelining_cell_has_its_own_timeline(pool):
+    t = time.perf_counter()
+    assert pool.exec(BUILD + STEP) == {0: 0, 1: 2}
+    first = time.perf_counter() - t
+    tl = pool.timeline()
+    assert tl.counts() == {(0, "F"): 2, (0, "B"): 2, (1, "F"): 2, (1, "B"): 2}
+    assert tl.ranks == [0, 1] and tl.meta["schedule"] == "ScheduleGPipe"
+    # A cell that only steps the schedule built earlier: its own log, the schedule still named.
+    t = time.perf_counter()
+    pool.exec(STEP)
+    step = time.perf_counter() - t
+    tl2 = pool.timeline()
+    assert tl2.counts() == tl.counts() and tl2.meta["schedule"] == "ScheduleGPipe"
+    assert min(a.start for a in tl2.actions) > max(a.end for a in tl.actions)
+    assert sorted(p.name for p in pool.cell_dir().iterdir()) == ["cell.py", "rank0.log", "rank1.log"]
+    print(f"build+step cell {first:.3f} s, step-only cell {step:.4f} s")
+    with pytest.raises(RanksError, match="no pipelining actions"):
+        pool.exec("pass")
+        pool.timeline()
+
+
+# ---- faults that keep the pool --------------------------------------------------------------------
+
+def test_an_exception_on_one_rank_names_it_and_keeps_every_namespace(pool):
+    pids = pool.pids()
+    pool.exec("kept = 5")
+    with pytest.raises(RanksError) as e:
+        pool.exec("kept += 1\nif rank == 1:\n    1 / 0")
+    msg = str(e.value)
+    assert "failed on rank 1" in msg and "ZeroDivisionError" in msg
+    assert re.search(r'File "<cell \d+>", line 3', msg) and "1 / 0" in msg  # the cell's own line
+    assert "rank.py" not in msg and not e.value.restarted and list(e.value.failed) == [1]
+    assert e.value.results == {0: None}
+    assert pool.exec("kept") == {0: 6, 1: 6} and pool.pids() == pids
+
+
+def test_the_socket_refuses_clients_without_the_secret(pool):
+    path = pool._job.listener.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    for greeting, wait in ((b"", channel.AUTH_TIMEOUT_S + 2), (b"labkit-ranks/1 " + b"0" * 64, 2)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(wait)
+            s.connect(path)
+            s.sendall(greeting)
+            t = time.monotonic()
+            assert s.recv(16) == b"", "the pool must close a connection without the right secret"
+            assert time.monotonic() - t < wait
+    with pytest.raises(channel.ChannelError):
+        channel.connect(path, "f" * 64, timeout=5)
+    assert "SECRET" not in " ".join(psutil.Process(pool.pids()[0]).cmdline()).upper()
+    assert pool.exec("rank") == {0: 0, 1: 1}
+
+
+@pytest.mark.skipif(not Path("/usr/bin/ss").exists() and not Path("/bin/ss").exists(), reason="needs ss (iproute2)")
+def test_the_pool_listens_on_loopback_only(pool):
+    pids = {pool.agent_pid, *pool.pids()}
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    addrs = [m.group(1) for line in out.splitlines()
+             if (m := re.search(r"\s(\S+):(\d+)\s+\S+\s+users:\((.*)\)", line))
+             and {int(x) for x in re.findall(r"pid=(\d+)", m.group(3))} & pids]
+    assert addrs, "found no listening sockets of the pool (ss output format changed?)"
+    assert all(a in ("127.0.0.1", "[::1]") for a in addrs), addrs
+
+
+def _interrupt_after(seconds: float):
+    """Jupyter's Stop, simulated: SIGINT's handler (as ipykernel installs it) then interrupt_main."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background suite inherits SIG_IGN
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return lambda: (timer.cancel(), signal.signal(signal.SIGINT, old))
+
+
+def test_an_interrupt_stops_every_rank_and_keeps_namespaces(pool, capsys):
+    pids = pool.pids()
+    pool.exec("kept2 = rank")
+    undo = _interrupt_after(1.0)
+    t = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.exec("import time\nfor i in range(600):\n    time.sleep(0.05)")
+    finally:
+        undo()
+    assert time.monotonic() - t < 1.0 + 3.0
+    assert "every rank keeps its namespace" in capsys.readouterr().err
+    assert pool.pids() == pids and pool.exec("kept2") == {0: 0, 1: 1}
+
+
+# ---- faults that restart the pool -----------------------------------------------------------------
+
+def test_a_rank_blocked_by_a_failed_peer_shows_its_stack_and_the_pool_restarts(pool):
+    old = {pool.agent_pid, *pool.pids()}
+    pool.exec("lost = 1")
+    with pytest.raises(RanksError) as e:
+        pool.exec("if rank == 0:\n    raise ValueError('boom')\nt = torch.zeros(1)\ndist.recv(t, src=0)")
+    msg = str(e.value)
+    assert "failed on rank 0" in msg and "ValueError: boom" in msg
+    assert "Rank 1 did not finish" in msg and "dist.recv(t, src=0)" in msg and list(e.value.blocked) == [1]
+    assert e.value.restarted and "namespace was lost" in msg
+    assert not _gone(old), "the old ranks and agent must be gone after a restart"
+    with pytest.raises(RanksError, match="NameError"):
+        pool.exec("lost")
+    assert pool.status()["restarts"] >= 1
+
+
+def test_a_hung_cell_shows_every_rank_stack_and_the_pool_restarts(pool):
+    # Rank 1 holds the GIL in C (a regex that never ends), so its reader thread cannot answer: its
+    # stack comes from faulthandler (SIGUSR1) instead. Rank 0 answers itself.
+    t = time.monotonic()
+    with pytest.raises(RanksError) as e:
+        pool.exec("import re, time\nif rank == 0:\n    time.sleep(600)\nelse:\n    re.match(r'(a+)+$', 'a' * 64 + 'b')",
+                  timeout=3)
+    msg = str(e.value)
+    assert "did not finish within its 3 s deadline on ranks 0, 1" in msg and sorted(e.value.blocked) == [0, 1]
+    assert "time.sleep(600)" in e.value.blocked[0]
+    assert "most recent call first" in e.value.blocked[1] and re.search(r'File "<cell \d+>", line 5', e.value.blocked[1])
+    assert e.value.restarted and "--timeout" in msg
+    print(f"hang: error after {time.monotonic() - t:.1f} s (deadline 3 s, stacks, restart)")
+    assert pool.exec("rank") == {0: 0, 1: 1}
+
+
+def test_a_rank_whose_process_ends_is_named_and_the_pool_restarts(pool):
+    with pytest.raises(RanksError) as e:
+        pool.exec("import os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(600)")
+    msg = str(e.value)
+    assert "Rank 1's process ended during cell" in msg and "Then rank 0 ended too" in msg and e.value.restarted
+    assert pool.exec("rank") == {0: 0, 1: 1}
+
+
+def test_an_interrupt_with_a_blocked_rank_restarts_the_pool(pool, capsys):
+    old = pool.pids()
+    undo = _interrupt_after(1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.exec("import time\nif rank == 0:\n    time.sleep(600)\nt = torch.zeros(1)\ndist.recv(t, src=0)")
+    finally:
+        undo()
+    err = capsys.readouterr().err
+    assert "rank 1 did not stop" in err and "restarted" in err and "dist.recv" in err
+    assert not _gone(old) and pool.exec("world_size") == {0: 2, 1: 2}
+
+
+# ---- the magics, and nothing left behind -----------------------------------------------------------
+
+def test_magics_run_cells_show_status_stop_and_start_a_pool(pool, capsys, monkeypatch, tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("LABKIT_RUNS", str(tmp_path))
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "labkit")
+    ip.run_line_magic("ranks", "status")
+    assert re.search(r"pool: running, 2 ranks.*\n.*\n  rank 0: pid \d+, alive, idle", capsys.readouterr().out)
+    r = ip.run_cell("%%ranks --ranks 1\nprint('only', rank)\nrank * 3")
+    out = capsys.readouterr().out
+    assert r.success and "[rank1] only 1" in out and "[rank1] Out: 3" in out and "[rank0]" not in out
+    r = ip.run_cell("%%ranks --timeline\n" + BUILD + STEP)
+    out = capsys.readouterr().out
+    assert r.success, r.error_in_exec
+    assert "timeline: GPipe, pp_size 2, 2 microbatches, 4 F, 4 B" in out and "Figure" in out
+    r = ip.run_cell("%%ranks --ranks 0,x\npass")
+    assert not r.success and "--ranks takes rank numbers" in str(r.error_before_exec or r.error_in_exec)
+    pids = {pool.agent_pid, *pool.pids()}
+    ip.run_line_magic("ranks", "stop")
+    assert not _gone(pids, 0.5), "close() must leave no process"
+    assert pool.closed and "Stopped the pool" in capsys.readouterr().out
+    with pytest.raises(RanksError, match="closed"):
+        pool.exec("pass")
+    r = ip.run_cell("%%ranks\nrank")
+    out = capsys.readouterr().out
+    assert r.success and "No pool was running: started one with 2 ranks" in out and "[rank1] Out: 1" in out
+    new = labkit.ranks.pool.current()
+    pids = {new.agent_pid, *new.pids()}
+    ip.run_line_magic("ranks", "stop")
+    assert not _gone(pids, 0.5)
+
+
+KERNEL = """
+import json, sys, time
+import labkit
+pool = labkit.Ranks(nproc=2, device="cpu", runs_root=sys.argv[1])
+pool.exec("x = 1")
+print(json.dumps([pool._job.listener.dir, pool.agent_pid, *pool.pids()]), flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(120)
+"""
+
+
+def test_an_exiting_or_killed_kernel_leaves_no_rank(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent(KERNEL))
+    procs = {how: subprocess.Popen([sys.executable, str(script), str(tmp_path / how), how], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for how in ("exit", "hang")}
+    said = {how: json.loads(p.stdout.readline() or "[]") for how, p in procs.items()}
+    assert all(len(v) == 4 for v in said.values()), procs["hang"].stderr.read()[-2000:] if not said["hang"] else said
+    pids = {how: v[1:] for how, v in said.items()}
+    procs["hang"].kill()  # a kernel killed hard: no atexit, no close()
+    t = time.monotonic()
+    for p in procs.values():
+        p.wait(timeout=60)
+    assert procs["exit"].returncode == 0
+    assert not _gone(pids["exit"], 2.0), "atexit must close the pool"
+    assert not _gone(pids["hang"], 10.0), "the ranks must exit when the kernel dies"
+    print(f"killed kernel: every rank gone {time.monotonic() - t:.2f} s after SIGKILL")
+    assert not os.path.exists(said["exit"][0]), "close() removes the socket's folder"
+    assert os.path.exists(said["hang"][0]) and said["hang"][0] in channel.sweep_stale()  # the next pool's sweep
