@@ -248,6 +248,68 @@ def parser_throughput(sizes=(10_000, 100_000, 1_000_000), repeats: int = 3) -> d
     return out
 
 
+# Live ranks: the same 1F1B step (tiny preset, 2 ranks) as a cell on a warm pool and as a fresh job.
+LIVE_SETUP = textwrap.dedent("""
+    from labkit.config import RunConfig
+    from labkit.model import build_model, make_batch, tokenwise_loss_fn
+    from labkit.stages import build_schedule, build_stages
+    cfg = RunConfig(schedule="1F1B", pp_size=world_size, n_microbatches=4, preset="tiny")
+    full = build_model(cfg)
+    stages, _ = build_stages(cfg, full, rank, device)
+    schedule = build_schedule(cfg, stages, tokenwise_loss_fn)
+    x, y = make_batch(cfg, device)
+""")
+LIVE_STEP = textwrap.dedent("""
+    losses = []
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    print(f"rank {rank}: stepped, {len(losses)} losses")
+""")
+LIVE_JOB = ("import os, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "rank, world_size, device = dist.get_rank(), dist.get_world_size(), torch.device('cpu')\n"
+            + LIVE_SETUP + LIVE_STEP + "dist.barrier()\ndist.destroy_process_group()\n")
+NOTEBOOKS_BEFORE_LIVE_RANKS_S = 250.0  # the notebook suite in the bench of commit 740ea78 (before live ranks)
+
+
+def live_ranks(n: int = 5, round_trips: int = 50) -> dict:
+    """A 1F1B step sent as a cell to 2 warm ranks vs the same code as a fresh `labkit launch` job, end to
+    end: from sending the code to having its output and its measured timeline back. Interleaved pair by
+    pair. Also an empty cell's round trip."""
+    from labkit.compare import load_timeline
+    from labkit.launch import launch
+    from labkit.ranks import Ranks
+
+    expected = {(s, k): 4 for s in (0, 1) for k in ("F", "B")}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "one_step.py"
+        script.write_text(LIVE_JOB)
+        with Ranks(nproc=2, device="cpu", runs_root=tmp, live="print") as pool:
+            pool.exec(LIVE_SETUP)
+
+            def cell() -> float:
+                t = time.perf_counter()
+                pool.exec(LIVE_STEP)
+                assert pool.timeline().counts() == expected
+                return time.perf_counter() - t
+
+            def fresh() -> float:
+                t = time.perf_counter()
+                r = launch(script, nproc=2, runs_root=tmp, progress=False, stream="none")
+                assert load_timeline(r.run_dir).counts() == expected
+                return time.perf_counter() - t
+
+            fresh_s, cell_s = _pairs(fresh, cell, n)
+            pool.exec("pass")
+            trips = []
+            for _ in range(round_trips):
+                t = time.perf_counter()
+                pool.exec("pass")
+                trips.append(time.perf_counter() - t)
+    return {**_ratio(fresh_s, cell_s), "fresh_job_median_s": statistics.median(fresh_s),
+            "cell_median_s": statistics.median(cell_s), "empty_cell_median_ms": 1000 * statistics.median(trips),
+            "empty_cell_max_ms": 1000 * max(trips), "round_trips": round_trips}
+
+
 def notebook_suite() -> float:
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
@@ -357,6 +419,8 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
         res["notebook_suite_s"] = notebook_suite()
     else:
         res["notebook_suite_s"] = None
+    say("live ranks: a step cell on warm ranks vs a fresh job; an empty cell's round trip")
+    res["live_ranks"] = live_ranks(n=2 if quick else 5, round_trips=10 if quick else 50)
     say("kit's reference job vs the tutorial's program as written (CPU)")
     tk = tutorial_vs_kit(sizes="tiny" if quick else "small", steps=4 if quick else 10, n=1 if quick else 3)
     res["tutorial_vs_kit_ratio"], res["tutorial_vs_kit"] = tk["ratio"], tk
@@ -414,9 +478,22 @@ def markdown(res: dict) -> str:
     for n, v in (res.get("log_to_timeline_lines_per_s") or {}).items():
         lines.append(f"| log -> timeline (parser + to_timeline) at {int(n):,} lines | {v:,.0f} lines/s | (reported) | - |")
     lines.append(f"| parser time per line, largest / smallest size | {res['parser_linearity']:.2f} | ~1 (linear) | {'yes' if res['parser_linearity'] < 1.5 else 'no'} |")
+    lr = res.get("live_ranks")
+    if lr:
+        lines += [
+            f"| live ranks: fresh 2-rank job / a cell on 2 warm ranks (one 1F1B step, tiny preset, output and "
+            f"timeline back; medians {lr['fresh_job_median_s']:.2f} s / {lr['cell_median_s'] * 1000:.0f} ms) "
+            f"| {lr['ratio']:.1f}x faster | >= 20x | {'yes' if lr['ratio'] >= 20 else 'no'} |",
+            f"| live ranks: an empty cell's round trip (median of {lr['round_trips']}, max {lr['empty_cell_max_ms']:.1f} ms) "
+            f"| {lr['empty_cell_median_ms']:.2f} ms | <= 50 ms | {'yes' if lr['empty_cell_median_ms'] <= 50 else 'no'} |",
+        ]
     nb = res.get("notebook_suite_s")
     lines.append(f"| notebook suite under nbval | {nb:.0f} s | <= 600 s | {'yes' if nb <= 600 else 'no'} |" if nb else
                  "| notebook suite under nbval | not measured | <= 600 s | - |")
+    if nb:
+        speed = NOTEBOOKS_BEFORE_LIVE_RANKS_S / nb
+        lines.append(f"| notebook suite: before live ranks ({NOTEBOOKS_BEFORE_LIVE_RANKS_S:.0f} s, bench of 740ea78) / now "
+                     f"(across runs: noisy) | {speed:.2f}x faster | >= 1.5x | {'yes' if speed >= 1.5 else 'no'} |")
     tk = res.get("tutorial_vs_kit")
     if tk:
         lines.append(f"| kit's reference job / the tutorial's program as written (step time, {tk['sizes']} sizes, "
@@ -441,9 +518,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast subset (smoke test)")
     ap.add_argument("--no-notebooks", action="store_true")
     ap.add_argument("--out", default=str(BENCH_DIR))
+    ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks"],
+                    help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
-    res = run_all(quick=a.quick, notebooks=not a.no_notebooks)
     out = Path(a.out)
+    if a.only:
+        res = json.loads((out / "results.json").read_text())
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if "live_ranks" in a.only:
+            res["live_ranks"] = {**live_ranks(), "date": stamp}
+        if "notebooks" in a.only:
+            res["notebook_suite_s"], res["notebook_suite_date"] = notebook_suite(), stamp
+    else:
+        res = run_all(quick=a.quick, notebooks=not a.no_notebooks)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
     (out / "RESULTS.md").write_text(markdown(res))

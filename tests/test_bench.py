@@ -43,6 +43,19 @@ def test_launch_overhead_runs_both_commands():
     assert out["pair_ratio_iqr"][0] <= out["ratio"] <= out["pair_ratio_iqr"][1]
 
 
+def _minimal_results(**over) -> dict:
+    return {"machine": "m", "machine_detail": {"cpus": 2}, "torch": "t", "date": "d",
+            "launch_overhead_ratio": 1.0, "capture_overhead_ratio": 1.0, "profiler_overhead_ratio": 1.2,
+            "fidelity": [], "parser_lines_per_s": {}, "parser_linearity": 1.0, "notebook_suite_s": None,
+            "gpu": {"available": False, "reason": "none"}, **over}
+
+
+def test_notebook_suite_rows_compare_with_the_suite_before_live_ranks():
+    md = bench.markdown(_minimal_results(notebook_suite_s=125.0))
+    assert "| 125 s |" in md and "| 2.00x faster | >= 1.5x | yes |" in md
+    assert "| 1.25x faster | >= 1.5x | no |" in bench.markdown(_minimal_results(notebook_suite_s=200.0))
+
+
 def test_fidelity_row_and_table():
     rows = bench.fidelity(shapes=((2, 2),), schedules=("GPipe",), fwd_ms=20, bwd_ms=40)
     assert rows[0]["ideal_bubble"] == round(1 / 3, 4) and 0 <= rows[0]["measured_bubble"] < 1
@@ -98,3 +111,12 @@ def test_capture_overhead_within_jobs_and_its_table_rows():
     co = {**out, "between_jobs": {"ratio": 1.1, "pair_ratios": [1.1]}}
     rows = "\n".join(bench._capture_detail_rows(co))
     assert "A/A control" in rows and "median of 2 step pairs" in rows and "1.100x" in rows
+
+
+def test_live_ranks_bench_measures_a_real_cell_and_a_real_job():
+    """Both sides really run the step: each asserts its timeline holds 4 F and 4 B per stage."""
+    out = bench.live_ranks(n=1, round_trips=3)
+    assert len(out["pair_ratios"]) == 1 and out["fresh_job_median_s"] > out["cell_median_s"] > 0
+    assert 0 < out["empty_cell_median_ms"] <= out["empty_cell_max_ms"]
+    row = bench.markdown({**_minimal_results(), "live_ranks": out})
+    assert "live ranks: fresh 2-rank job / a cell on 2 warm ranks" in row and "empty cell's round trip" in row
