@@ -59,16 +59,26 @@ def _requirements() -> str | None:
     return None
 
 
-def _notebook() -> dict:
+# Live ranks: a %%ranks cell whose ranks print for a few seconds; the page must show their lines
+# while the cell still runs, then the whole output grouped by rank.
+RANKS_CELLS = [
+    "%load_ext labkit",
+    "%ranks start --nproc 2",
+    "%%ranks\nimport time\nfor i in range(6):\n    print(f'tick {i} of rank {rank}', flush=True)\n    time.sleep(1.5)",
+    "%ranks stop\nprint('pool stopped')",
+]
+
+
+def _notebook(sources=NOTEBOOK_CELLS) -> dict:
     cells = [{"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {}, "outputs": [],
-              "source": src} for i, src in enumerate(NOTEBOOK_CELLS)]
+              "source": src} for i, src in enumerate(sources)]
     return {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
             "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                         "language": "python"},
                          "language_info": {"name": "python"}}}
 
 
-def _start_server(root: Path, home: Path) -> tuple[subprocess.Popen, str, Path]:
+def _start_server(root: Path, home: Path, notebook: str = "explorer.ipynb") -> tuple[subprocess.Popen, str, Path]:
     """JupyterLab with the test's own python (so the `python3` kernel is this venv), isolated config."""
     token = os.urandom(16).hex()
     dirs = {name: home / name for name in ("config", "data", "runtime", "settings", "workspaces")}
@@ -108,7 +118,7 @@ def _start_server(root: Path, home: Path) -> tuple[subprocess.Popen, str, Path]:
             try:
                 with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5) as r:
                     if r.status == 200:
-                        return server, f"{base}/lab/tree/explorer.ipynb?token={token}", dirs["runtime"]
+                        return server, f"{base}/lab/tree/{notebook}?token={token}", dirs["runtime"]
             except OSError:
                 pass
         time.sleep(0.5)
@@ -145,17 +155,85 @@ def _painted(page) -> None:
     page.wait_for_timeout(300)
 
 
-def test_explorer_in_jupyterlab(tmp_path):
+def _require_browser() -> None:
     reason = _requirements()
     if reason:
-        if os.environ.get("CI"):  # CI must prove the explorer works in a browser, never skip it quietly
+        if os.environ.get("CI"):  # CI must prove the kit works in a browser, never skip it quietly
             pytest.fail(f"browser test cannot run in CI: {reason}")
         pytest.skip(f"browser test skipped: {reason}")
+
+
+def _open_and_run_all(page, url: str) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import expect
+
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook", timeout=90_000)
+    # Run All before the session has its kernel makes JupyterLab ask for one: wait for the
+    # status bar to show the connected, idle kernel first.
+    expect(page.get_by_role("button", name="Python 3 (ipykernel) | Idle")).to_be_visible(timeout=90_000)
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(".lm-Menu-item:has(.lm-Menu-itemLabel:text-is('Run All Cells'))")
+    try:  # should the kernel still be starting, take the notebook's own (python3)
+        page.locator(".jp-Dialog button", has_text="Select").click(timeout=3_000)
+    except PlaywrightTimeout:
+        pass
+
+
+def _no_job_left(root: Path) -> None:
+    left = [p for p in kit_processes(root.resolve()) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in left:
+        p.kill()
+    assert not left, f"job processes left running: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def test_ranks_cell_streams_live_per_rank_in_jupyterlab(tmp_path):
+    """A %%ranks cell in a real JupyterLab: each rank's lines appear while the cell still runs (not
+    only when it ends), then the cell holds the whole output grouped by rank."""
+    _require_browser()
     from playwright.sync_api import expect, sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for old in ARTIFACTS.glob("*.png"):
+    root = tmp_path / "lab"
+    root.mkdir()
+    (root / "ranks.ipynb").write_text(json.dumps(_notebook(RANKS_CELLS), indent=1))
+    server, url, _ = _start_server(root, tmp_path / "jupyter", "ranks.ipynb")
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 1200})
+                _open_and_run_all(page, url)
+                cell = page.locator(".jp-CodeCell").nth(2)
+                out = cell.locator(".jp-OutputArea")
+                expect(out).to_contain_text("[rank0] tick 0 of rank 0", timeout=120_000)
+                expect(out).to_contain_text("[rank1] tick 0 of rank 1", timeout=10_000)
+                live = out.inner_text()
+                assert "tick 5" not in live, live  # seen while the cell still runs: live, not at the end
+                _painted(page)
+                page.screenshot(path=str(ARTIFACTS / "10-ranks-live.png"))
+                expect(page.locator(".jp-CodeCell").nth(3).locator(".jp-OutputArea")).to_contain_text(
+                    "pool stopped", timeout=120_000)
+                final = out.inner_text()
+                lines = [l for l in final.splitlines() if l.startswith("[rank")]
+                assert lines == [f"[rank{r}] tick {i} of rank {r}" for r in (0, 1) for i in range(6)], final
+                _painted(page)
+                page.screenshot(path=str(ARTIFACTS / "11-ranks-done.png"))
+            finally:
+                browser.close()
+    finally:
+        shutil.copy(tmp_path / "jupyter" / "server.log", ARTIFACTS / "ranks-server.log")
+        _stop_server(server)
+        _no_job_left(root)
+
+
+def test_explorer_in_jupyterlab(tmp_path):
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for old in ARTIFACTS.glob("0*.png"):
         old.unlink()
     root = tmp_path / "lab"
     root.mkdir()
@@ -166,19 +244,7 @@ def test_explorer_in_jupyterlab(tmp_path):
             browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1500, "height": 2100})
-                page.set_default_timeout(60_000)
-                page.goto(url)
-                page.wait_for_selector(".jp-Notebook", timeout=90_000)
-                # Run All before the session has its kernel makes JupyterLab ask for one: wait for the
-                # status bar to show the connected, idle kernel first.
-                expect(page.get_by_role("button", name="Python 3 (ipykernel) | Idle")).to_be_visible(timeout=90_000)
-
-                page.click(".lm-MenuBar-itemLabel:text-is('Run')")
-                page.click(".lm-Menu-item:has(.lm-Menu-itemLabel:text-is('Run All Cells'))")
-                try:  # should the kernel still be starting, take the notebook's own (python3)
-                    page.locator(".jp-Dialog button", has_text="Select").click(timeout=3_000)
-                except PlaywrightTimeout:
-                    pass
+                _open_and_run_all(page, url)
 
                 # The kernel is this test's python (the server's sys.executable runs the python3 kernelspec).
                 expect(page.locator(".jp-OutputArea-output").first).to_contain_text(
@@ -243,8 +309,5 @@ def test_explorer_in_jupyterlab(tmp_path):
     finally:
         shutil.copy(tmp_path / "jupyter" / "server.log", ARTIFACTS / "server.log")
         _stop_server(server)
-        left = [p for p in kit_processes(root.resolve()) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        for p in left:
-            p.kill()
-        assert not left, f"job processes left running: {[(p.pid, p.cmdline()) for p in left]}"
+        _no_job_left(root)
     assert (ARTIFACTS / "03-after-run.png").stat().st_size > 10_000
