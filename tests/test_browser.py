@@ -12,6 +12,7 @@ test skips and says why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -188,126 +189,119 @@ def _no_job_left(root: Path) -> None:
     assert not left, f"job processes left running: {[(p.pid, p.cmdline()) for p in left]}"
 
 
+@contextlib.contextmanager
+def _lab_page(tmp_path: Path, name: str, cells: list[str], viewport: dict):
+    """A JupyterLab page on a fresh notebook of `cells`, all cells run; the server and every job it
+    started are ended afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path / "lab"
+    root.mkdir()
+    (root / name).write_text(json.dumps(_notebook(cells), indent=1))
+    server, url, _ = _start_server(root, tmp_path / "jupyter", name)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport=viewport)
+                _open_and_run_all(page, url)
+                yield page
+            finally:
+                browser.close()
+    finally:
+        shutil.copy(tmp_path / "jupyter" / "server.log", ARTIFACTS / f"{Path(name).stem}-server.log")
+        _stop_server(server)
+        _no_job_left(root)
+
+
 def test_ranks_cell_streams_live_per_rank_in_jupyterlab(tmp_path):
     """A %%ranks cell in a real JupyterLab: each rank's lines appear while the cell still runs (not
     only when it ends), then the cell holds the whole output grouped by rank."""
     _require_browser()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    root = tmp_path / "lab"
-    root.mkdir()
-    (root / "ranks.ipynb").write_text(json.dumps(_notebook(RANKS_CELLS), indent=1))
-    server, url, _ = _start_server(root, tmp_path / "jupyter", "ranks.ipynb")
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1300, "height": 1200})
-                _open_and_run_all(page, url)
-                cell = page.locator(".jp-CodeCell").nth(2)
-                out = cell.locator(".jp-OutputArea")
-                expect(out).to_contain_text("[rank0] tick 0 of rank 0", timeout=120_000)
-                expect(out).to_contain_text("[rank1] tick 0 of rank 1", timeout=10_000)
-                live = out.inner_text()
-                assert "tick 5" not in live, live  # seen while the cell still runs: live, not at the end
-                _painted(page)
-                page.screenshot(path=str(ARTIFACTS / "10-ranks-live.png"))
-                expect(page.locator(".jp-CodeCell").nth(3).locator(".jp-OutputArea")).to_contain_text(
-                    "pool stopped", timeout=120_000)
-                final = out.inner_text()
-                lines = [l for l in final.splitlines() if l.startswith("[rank")]
-                assert lines == [f"[rank{r}] tick {i} of rank {r}" for r in (0, 1) for i in range(6)], final
-                _painted(page)
-                page.screenshot(path=str(ARTIFACTS / "11-ranks-done.png"))
-            finally:
-                browser.close()
-    finally:
-        shutil.copy(tmp_path / "jupyter" / "server.log", ARTIFACTS / "ranks-server.log")
-        _stop_server(server)
-        _no_job_left(root)
+    with _lab_page(tmp_path, "ranks.ipynb", RANKS_CELLS, {"width": 1300, "height": 1200}) as page:
+        out = page.locator(".jp-CodeCell").nth(2).locator(".jp-OutputArea")
+        expect(out).to_contain_text("[rank0] tick 0 of rank 0", timeout=120_000)
+        expect(out).to_contain_text("[rank1] tick 0 of rank 1", timeout=10_000)
+        live = out.inner_text()
+        assert "tick 5" not in live, live  # seen while the cell still runs: live, not at the end
+        _painted(page)
+        page.screenshot(path=str(ARTIFACTS / "10-ranks-live.png"))
+        expect(page.locator(".jp-CodeCell").nth(3).locator(".jp-OutputArea")).to_contain_text(
+            "pool stopped", timeout=120_000)
+        final = out.inner_text()
+        lines = [l for l in final.splitlines() if l.startswith("[rank")]
+        assert lines == [f"[rank{r}] tick {i} of rank {r}" for r in (0, 1) for i in range(6)], final
+        _painted(page)
+        page.screenshot(path=str(ARTIFACTS / "11-ranks-done.png"))
 
 
 def test_explorer_in_jupyterlab(tmp_path):
     _require_browser()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for old in ARTIFACTS.glob("0*.png"):
         old.unlink()
-    root = tmp_path / "lab"
-    root.mkdir()
-    (root / "explorer.ipynb").write_text(json.dumps(_notebook(), indent=1))
-    server, url, _ = _start_server(root, tmp_path / "jupyter")
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1500, "height": 2100})
-                _open_and_run_all(page, url)
+    with _lab_page(tmp_path, "explorer.ipynb", NOTEBOOK_CELLS, {"width": 1500, "height": 2100}) as page:
+        # The kernel is this test's python (the server's sys.executable runs the python3 kernelspec).
+        expect(page.locator(".jp-OutputArea-output").first).to_contain_text(
+            f"kernel prefix: {sys.prefix}", timeout=120_000)
+        panel = page.locator(".jp-OutputArea .pplab-explorer")
+        expect(panel).to_be_visible(timeout=120_000)
+        theory = panel.locator(".pplab-theory-bubble")
+        expect(theory).to_contain_text("Ideal GPipe, pp_size=2, 4 microbatches")
+        expect(theory).to_contain_text("bubble_fraction 20.0%")
+        expect(panel.locator("img.pplab-theory-image")).to_be_visible()
+        expect(panel.locator(".pplab-run")).to_be_enabled()
+        expect(panel.locator(".pplab-stop")).to_be_disabled()
+        expect(panel.locator("img.pplab-timeline")).to_be_hidden()
+        expect(panel.locator(".pplab-error")).to_be_hidden()
+        _painted(page)
+        page.screenshot(path=str(ARTIFACTS / "01-displayed.png"))
 
-                # The kernel is this test's python (the server's sys.executable runs the python3 kernelspec).
-                expect(page.locator(".jp-OutputArea-output").first).to_contain_text(
-                    f"kernel prefix: {sys.prefix}", timeout=120_000)
-                panel = page.locator(".jp-OutputArea .pplab-explorer")
-                expect(panel).to_be_visible(timeout=120_000)
-                theory = panel.locator(".pplab-theory-bubble")
-                expect(theory).to_contain_text("Ideal GPipe, pp_size=2, 4 microbatches")
-                expect(theory).to_contain_text("bubble_fraction 20.0%")
-                expect(panel.locator("img.pplab-theory-image")).to_be_visible()
-                expect(panel.locator(".pplab-run")).to_be_enabled()
-                expect(panel.locator(".pplab-stop")).to_be_disabled()
-                expect(panel.locator("img.pplab-timeline")).to_be_hidden()
-                expect(panel.locator(".pplab-error")).to_be_hidden()
-                _painted(page)
-                page.screenshot(path=str(ARTIFACTS / "01-displayed.png"))
+        # An invalid combination is explained and Run is disabled.
+        mb = panel.locator(".pplab-microbatches input")
+        mb.fill("3")
+        mb.press("Tab")
+        expect(panel.locator(".pplab-error")).to_contain_text("not divisible by 3 microbatches", timeout=UI_TIMEOUT_MS)
+        expect(panel.locator(".pplab-run")).to_be_disabled(timeout=UI_TIMEOUT_MS)
 
-                # An invalid combination is explained and Run is disabled.
-                mb = panel.locator(".pplab-microbatches input")
-                mb.fill("3")
-                mb.press("Tab")
-                expect(panel.locator(".pplab-error")).to_contain_text("not divisible by 3 microbatches", timeout=UI_TIMEOUT_MS)
-                expect(panel.locator(".pplab-run")).to_be_disabled(timeout=UI_TIMEOUT_MS)
+        # A valid change: the ideal timeline follows at once.
+        before = panel.locator("img.pplab-theory-image").get_attribute("src")
+        panel.locator(".pplab-schedule select").select_option(label="1F1B")
+        mb.fill("8")
+        mb.press("Tab")
+        expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 8 microbatches", timeout=UI_TIMEOUT_MS)
+        expect(theory).to_contain_text("bubble_fraction 11.1%", timeout=UI_TIMEOUT_MS)  # (p-1)/(m+p-1) = 1/9
+        expect(theory).to_contain_text("bubble_ratio 0.12", timeout=UI_TIMEOUT_MS)      # (p-1)/m = 1/8
+        expect(panel.locator(".pplab-error")).to_be_hidden(timeout=UI_TIMEOUT_MS)
+        expect(panel.locator(".pplab-run")).to_be_enabled(timeout=UI_TIMEOUT_MS)
+        assert panel.locator("img.pplab-theory-image").get_attribute("src") != before
+        _painted(page)
+        page.screenshot(path=str(ARTIFACTS / "02-controls-changed.png"))
 
-                # A valid change: the ideal timeline follows at once.
-                before = panel.locator("img.pplab-theory-image").get_attribute("src")
-                panel.locator(".pplab-schedule select").select_option(label="1F1B")
-                mb.fill("8")
-                mb.press("Tab")
-                expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 8 microbatches", timeout=UI_TIMEOUT_MS)
-                expect(theory).to_contain_text("bubble_fraction 11.1%", timeout=UI_TIMEOUT_MS)  # (p-1)/(m+p-1) = 1/9
-                expect(theory).to_contain_text("bubble_ratio 0.12", timeout=UI_TIMEOUT_MS)      # (p-1)/m = 1/8
-                expect(panel.locator(".pplab-error")).to_be_hidden(timeout=UI_TIMEOUT_MS)
-                expect(panel.locator(".pplab-run")).to_be_enabled(timeout=UI_TIMEOUT_MS)
-                assert panel.locator("img.pplab-theory-image").get_attribute("src") != before
-                _painted(page)
-                page.screenshot(path=str(ARTIFACTS / "02-controls-changed.png"))
-
-                panel.locator(".pplab-run").click()
-                expect(panel.locator(".pplab-status")).to_contain_text("running 1F1B")
-                timeline = panel.locator("img.pplab-timeline")
-                timeline.wait_for(state="visible", timeout=RUN_TIMEOUT_MS)
-                status = panel.locator(".pplab-status")
-                expect(status).to_contain_text("ok: reference match")
-                rows = panel.locator(".pplab-history table.pplab-history-table tbody tr")
-                expect(rows).to_have_count(1)
-                cells = [c.strip() for c in rows.first.locator("td").all_inner_texts()]
-                assert cells[1:8] == ["1F1B", "2", "1", "8", "manual", "ok", "yes"], cells
-                assert "%" in cells[8] and "%" in cells[9] and cells[10].endswith(" s"), cells  # bubbles, step time
-                expect(panel.locator(".pplab-measured-bubble")).to_contain_text("bubble_fraction")
-                expect(panel.locator(".pplab-log")).to_contain_text("matches the unsplit model")
-                expect(panel.locator(".pplab-run")).to_be_enabled()
-                expect(panel.locator(".pplab-stop")).to_be_disabled()
-                box = timeline.bounding_box()
-                assert box and box["width"] > 300 and box["height"] > 150, box
-                timeline.scroll_into_view_if_needed()
-                _painted(page)
-                page.screenshot(path=str(ARTIFACTS / "03-after-run.png"))
-                panel.screenshot(path=str(ARTIFACTS / "03-explorer-after-run.png"))
-            finally:
-                browser.close()
-    finally:
-        shutil.copy(tmp_path / "jupyter" / "server.log", ARTIFACTS / "server.log")
-        _stop_server(server)
-        _no_job_left(root)
+        panel.locator(".pplab-run").click()
+        expect(panel.locator(".pplab-status")).to_contain_text("running 1F1B")
+        timeline = panel.locator("img.pplab-timeline")
+        timeline.wait_for(state="visible", timeout=RUN_TIMEOUT_MS)
+        status = panel.locator(".pplab-status")
+        expect(status).to_contain_text("ok: reference match")
+        rows = panel.locator(".pplab-history table.pplab-history-table tbody tr")
+        expect(rows).to_have_count(1)
+        cells = [c.strip() for c in rows.first.locator("td").all_inner_texts()]
+        assert cells[1:8] == ["1F1B", "2", "1", "8", "manual", "ok", "yes"], cells
+        assert "%" in cells[8] and "%" in cells[9] and cells[10].endswith(" s"), cells  # bubbles, step time
+        expect(panel.locator(".pplab-measured-bubble")).to_contain_text("bubble_fraction")
+        expect(panel.locator(".pplab-log")).to_contain_text("matches the unsplit model")
+        expect(panel.locator(".pplab-run")).to_be_enabled()
+        expect(panel.locator(".pplab-stop")).to_be_disabled()
+        box = timeline.bounding_box()
+        assert box and box["width"] > 300 and box["height"] > 150, box
+        timeline.scroll_into_view_if_needed()
+        _painted(page)
+        page.screenshot(path=str(ARTIFACTS / "03-after-run.png"))
+        panel.screenshot(path=str(ARTIFACTS / "03-explorer-after-run.png"))
     assert (ARTIFACTS / "03-after-run.png").stat().st_size > 10_000
