@@ -1,6 +1,6 @@
 """A measured run beside its ideal: load a run's timeline, find its shape, fit costs, simulate.
 
-`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer and notebooks 04-05
+`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06
 use: the measured timeline (from the PP logs, or the profiler traces), and the ideal timeline of
 the same schedule with costs fitted from the measurement, with both bubble numbers.
 """

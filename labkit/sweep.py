@@ -3,7 +3,7 @@
     runs = sweep([RunConfig(schedule="GPipe", n_microbatches=m) for m in (1, 2, 4, 8)])
 
 Each job still streams its own output (quietly by default) and keeps its own run directory; the
-sweep's bar counts jobs. Notebook 04 uses it.
+sweep's bar counts jobs. Notebook 07 uses it.
 """
 
 from __future__ import annotations

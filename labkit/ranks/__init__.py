@@ -2,8 +2,9 @@
 
 pool.py (`Ranks`, `RanksError`), cell.py (one cell in flight), job.py (the torchrun launch), channel.py (the
 authenticated Unix socket), rank.py (the rank side), output.py (live output), magics.py (`%%ranks`).
+Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped).
 """
 
-from .pool import Ranks, RanksError
+from .pool import Ranks, RanksError, current
 
-__all__ = ["Ranks", "RanksError"]
+__all__ = ["Ranks", "RanksError", "current"]

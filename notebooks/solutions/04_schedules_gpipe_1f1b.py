@@ -20,3 +20,14 @@ def exercise_2():
     p = 4
     m = next(m for m in range(1, 1000) if (p - 1) / (m + p - 1) < 0.10)
     return m, m, p
+
+
+def exercise_3():
+    """GPipe, p=4 ranks, m=8 microbatches, F=50 ms and B=100 ms per stage.
+
+    Each rank has m x (F + B) = 8 x 150 ms of work. Filling and draining the pipeline adds
+    (p - 1) x (F + B): the last rank waits p-1 forwards for its first input, rank 0 waits p-1
+    backwards for its first gradient. Ideal makespan = (m + p - 1) x (F + B) = 11 x 0.15 s = 1.65 s.
+    """
+    p, m, f, b = 4, 8, 0.050, 0.100
+    return (m + p - 1) * (f + b)

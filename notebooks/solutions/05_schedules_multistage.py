@@ -29,3 +29,13 @@ def exercise_3():
         {n: simulate(n, 2, 8, 2, Cost(F=1, B=2)).metrics()["bubble_fraction"] for n in MULTI}
     """
     return "ZBVZeroBubble"
+
+
+def exercise_4():
+    """ZBVZeroBubble on 2 ranks, 8 microbatches: rank 0 holds stages 0 and 3 (V placement: 0 and 2p-1-0).
+
+    Each stage splits every microbatch's backward into I and W: 2 stages x 8 microbatches = 16 W.
+    (Stage 0's I is empty in torch, but its W still runs, and is logged, once per microbatch.)
+    """
+    stages_on_rank0, microbatches = 2, 8
+    return stages_on_rank0 * microbatches
