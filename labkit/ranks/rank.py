@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 from . import channel
 
@@ -243,6 +244,10 @@ def main() -> None:
 
     from ..worker import init_distributed
 
+    # The kernel's quiet warnings (labkit.notebook.setup): torch's FutureWarnings (pipeline() emits some)
+    # would otherwise land in cell outputs, and differ from one torch version to the next.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     logging.getLogger(PP_LOGGER).addHandler(_level(_ScheduleSeen(), logging.INFO))
     sys.stdout, sys.stderr = Tee(sys.stdout, "stdout", link), Tee(sys.stderr, "stderr", link)
     info = init_distributed(os.environ.get(channel.DEVICE_VAR, "auto"), float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))

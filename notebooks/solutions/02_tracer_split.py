@@ -29,3 +29,8 @@ def drift_after_one_step(emb_w, head_w, lr: float) -> float:
         a = emb_w.clone() - lr * emb_w.grad
         b = head_w.clone() - lr * head_w.grad
     return (a - b).abs().max().item()
+
+
+def end_split_spec() -> dict:
+    """Exercise 4: stage 1 begins at layers.4, so stage 0 ends after layers.3."""
+    return {"layers.3": SplitPoint.END}
