@@ -464,7 +464,8 @@ def markdown(res: dict) -> str:
     lines = [
         "# PP Lab benchmark results", "",
         f"Machine: {res['machine']} ({res['machine_detail']['cpus']} CPUs), torch {res['torch']}, {res['date']}.",
-        "Every figure is a ratio or fraction measured within this run (A/B interleaved pair by pair).", "",
+        "Every figure is a ratio or fraction measured within this run (A/B interleaved pair by pair); rows that "
+        "say 'measured <date>' were updated later with `scripts/bench.py --only`.", "",
         "| measure | result | target | met |", "| --- | --- | --- | --- |",
         f"| launch overhead (labkit launch / plain torchrun, whole process) | {res['launch_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['launch_overhead_ratio'] <= 1.05 else 'no'} |",
         *_launch_detail_rows(res.get("launch_overhead") or {}),
@@ -482,13 +483,15 @@ def markdown(res: dict) -> str:
     if lr:
         lines += [
             f"| live ranks: fresh 2-rank job / a cell on 2 warm ranks (one 1F1B step, tiny preset, output and "
-            f"timeline back; medians {lr['fresh_job_median_s']:.2f} s / {lr['cell_median_s'] * 1000:.0f} ms) "
+            f"timeline back; medians {lr['fresh_job_median_s']:.2f} s / {lr['cell_median_s'] * 1000:.0f} ms"
+            + (f"; measured {lr['date']}" if lr.get("date") else "") + ") "
             f"| {lr['ratio']:.1f}x faster | >= 20x | {'yes' if lr['ratio'] >= 20 else 'no'} |",
             f"| live ranks: an empty cell's round trip (median of {lr['round_trips']}, max {lr['empty_cell_max_ms']:.1f} ms) "
             f"| {lr['empty_cell_median_ms']:.2f} ms | <= 50 ms | {'yes' if lr['empty_cell_median_ms'] <= 50 else 'no'} |",
         ]
     nb = res.get("notebook_suite_s")
-    lines.append(f"| notebook suite under nbval | {nb:.0f} s | <= 600 s | {'yes' if nb <= 600 else 'no'} |" if nb else
+    when = f" (measured {res['notebook_suite_date']})" if res.get("notebook_suite_date") else ""
+    lines.append(f"| notebook suite under nbval{when} | {nb:.0f} s | <= 600 s | {'yes' if nb <= 600 else 'no'} |" if nb else
                  "| notebook suite under nbval | not measured | <= 600 s | - |")
     if nb:
         speed = NOTEBOOKS_BEFORE_LIVE_RANKS_S / nb
