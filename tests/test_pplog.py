@@ -123,8 +123,15 @@ def _torch_plan(schedule: str, pp_size: int, m: int, spr: int) -> dict[int, list
 
 @pytest.mark.parametrize("d", [d for d in ALL if result(d)["schedule"] in RUNTIME], ids=lambda d: d.name)
 def test_runtime_fixture_follows_torchs_plan_in_order(d):
-    """Multi-stage schedules: each rank ran exactly torch's planned actions, in the planned order."""
+    """Multi-stage schedules: each rank ran exactly torch's planned actions, in the planned order. The
+    plan is the installed torch's, so only fixtures captured with this torch (major.minor) are held to
+    it: plans change between releases (2.15's ZBVZeroBubble-p4-m8 orders I/W differently from 2.13's)."""
     r = result(d)
+    import torch
+
+    here, there = torch.__version__.split("+")[0].rsplit(".", 1)[0], r["torch"].split("+")[0].rsplit(".", 1)[0]
+    if here != there:
+        pytest.skip(f"fixture captured with torch {r['torch']}; torch {torch.__version__} plans for its own version")
     plan = _torch_plan(r["schedule"], r["pp_size"], r["n_microbatches"], r["stages_per_rank"])
     tl = logs.timeline_from_path(d)
     for rank in tl.ranks:
@@ -575,3 +582,41 @@ def test_throughput_smoke():
     assert len(tl.actions) == copies * per_copy
     assert tl.meta["steps"] == copies
     print(f"labkit.logs: {len(big):,} lines in {dt:.2f} s ({len(big) / dt:,.0f} lines/s, parse + timeline)")
+
+
+# torch 2.15's runtime waits: `1WAIT_SEND_F0`, `1WAIT_SEND_B0`, `0WAIT_REDUCE_GRAD`
+
+WAIT_FIXTURES = [d for d in ALL if result(d)["schedule"] in RUNTIME and any(
+    e.action and "WAIT_" in e.action for e in logs.parse_files(logs.log_files(d)) if e.origin == "runtime")]
+
+
+def test_wait_fixtures_exist_for_torch_2_15():
+    assert {d.parent.name for d in WAIT_FIXTURES} >= {"2.15.0"}, "capture 2.15 fixtures (scripts/capture_fixtures.py)"
+
+
+@pytest.mark.parametrize("d", WAIT_FIXTURES, ids=lambda d: f"{d.parent.name}/{d.name}")
+def test_runtime_waits_are_counted_never_compute(d):
+    """Each send or gradient reduction is waited for by its own action, after it, on the same rank; the
+    interval model counts the waits in meta["other_actions"] and never draws them as compute, and the
+    action before a wait ends where the wait begins (waiting is not work)."""
+    events = logs.parse_files(logs.log_files(d))
+    tl = logs.timeline_from_path(d, waits="fold")
+    seen: Counter = Counter()
+    for rank in tl.ranks:
+        runtime = [e for e in events if e.rank == rank and e.origin == "runtime"]
+        done: set = set()
+        for e in runtime:
+            kind, stage, mb, ctype, _ = logs.decode_action(e.action) or (None,) * 5
+            seen[ctype] += 1
+            if ctype in ("SEND_F", "SEND_B", "REDUCE_GRAD"):
+                done.add((ctype, stage, mb))
+            elif ctype in ("WAIT_SEND_F", "WAIT_SEND_B", "WAIT_REDUCE_GRAD"):
+                assert (ctype[len("WAIT_"):], stage, mb) in done, (rank, e.action)
+        starts = {e.time for e in runtime if e.action and "WAIT_" in e.action}
+        for a in tl.actions:
+            if a.rank == rank:
+                assert not any(a.start < t < a.end for t in starts), (a, "spans a wait's start")
+    for kind in ("SEND_F", "SEND_B", "REDUCE_GRAD"):
+        assert seen[f"WAIT_{kind}"] == seen[kind] > 0, (kind, seen)
+        assert tl.meta["other_actions"].get(f"WAIT_{kind}") == seen[kind]
+    assert not [a for a in tl.actions if "WAIT" in a.kind]

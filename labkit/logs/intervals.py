@@ -213,7 +213,10 @@ def to_timeline(events: list[Event], source: str = "measured", waits: str = "fol
     line). `(F;B)OVERLAP_F_B` is split into its sub-actions at the first one's completion line.
     SEND and RECV actions only post the p2p ops and are kept with kind SEND / RECV; the wait for a
     RECV happens at the start of the F / B / I that needs it, so it folds into that compute.
-    UNSHARD, RESHARD, REDUCE_GRAD are counted in `meta["other_actions"]`.
+    UNSHARD, RESHARD, REDUCE_GRAD are counted in `meta["other_actions"]`, and so are torch 2.15's
+    waits (`1WAIT_SEND_F0`, `1WAIT_SEND_B0`, `0WAIT_REDUCE_GRAD`: the runtime waiting for a send it
+    posted, or for a gradient reduction, to complete): waiting is not compute, so the action before
+    a wait ends where the wait begins and the wait itself is idle time on the timeline.
 
     GPipe and 1F1B print only completion lines (`Forwarded microbatch` / `Forwarded chunk`): an
     action starts at the previous completion on its rank (the first one at the `Using ...` /

@@ -8,7 +8,7 @@ What the messages mean (torch 2.11-2.14; the wording has been stable, line numbe
 
 | message | emitted by | marks |
 |---|---|---|
-| `_PipelineScheduleRuntime running time_step <t>, action <a>` | multi-stage schedules (runtime) | START of action `a` (`0F1`, `2I0`, `3W0`, `0B2`, `2SEND_F0`, `(0F3;3B1)OVERLAP_F_B`, `0UNSHARD`, ...) |
+| `_PipelineScheduleRuntime running time_step <t>, action <a>` | multi-stage schedules (runtime) | START of action `a` (`0F1`, `2I0`, `3W0`, `0B2`, `2SEND_F0`, `(0F3;3B1)OVERLAP_F_B`, `0UNSHARD`, and since torch 2.15 `1WAIT_SEND_F0`, `1WAIT_SEND_B0`, `0WAIT_REDUCE_GRAD`, ...) |
 | `[<stage>] Forwarded microbatch <i>` / `Backwarded microbatch <i>` | GPipe (and forward-only) | END of F / B (after the sends are posted) |
 | `[Stage <s>] Forwarded chunk <i>, outputs: ...` | every stage's forward | END of the forward compute |
 | `[Stage <s>] Backwarded chunk <i>` | every stage's backward (B, and I) | END of the backward compute |
