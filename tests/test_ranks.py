@@ -352,3 +352,36 @@ def test_an_exiting_or_killed_kernel_leaves_no_rank(tmp_path):
     print(f"killed kernel: every rank gone {time.monotonic() - t:.2f} s after SIGKILL")
     assert not os.path.exists(said["exit"][0]), "close() removes the socket's folder"
     assert os.path.exists(said["hang"][0]) and said["hang"][0] in channel.sweep_stale()  # the next pool's sweep
+
+
+def test_torch_log_handlers_that_follow_sys_stderr_are_pinned_to_the_real_stderr(monkeypatch):
+    """torch 2.15 logs through a handler that looks sys.stderr up at each record: once a rank's
+    sys.stderr is the cell's Tee, every TORCH_LOGS=+pp line would land in the notebook (seen on 2.15).
+    The rank pins such handlers to the real stderr (its log file) before it swaps sys.stderr."""
+    import io
+    import logging
+
+    from labkit.ranks import rank as rank_side
+
+    class FollowsStderr(logging.Handler):  # what torch._logging._internal._StderrHandler does
+        @property
+        def stream(self):
+            return sys.stderr
+
+        def emit(self, record):
+            self.stream.write(self.format(record) + "\n")
+
+    probe = logging.getLogger("torch._labkit_probe")
+    probe.propagate, probe.level = False, logging.DEBUG
+    probe.handlers = [FollowsStderr()]
+    real = io.StringIO()
+    monkeypatch.setattr(sys, "__stderr__", real)
+    monkeypatch.setattr(sys, "stderr", real)
+    try:
+        rank_side._pin_log_handlers()
+        cell = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", cell)  # the rank's Tee while a cell runs
+        probe.debug("Forwarded chunk 0")
+        assert "Forwarded chunk 0" in real.getvalue() and cell.getvalue() == ""
+    finally:
+        probe.handlers = []

@@ -249,6 +249,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     logging.getLogger(PP_LOGGER).addHandler(_level(_ScheduleSeen(), logging.INFO))
+    _pin_log_handlers()
     sys.stdout, sys.stderr = Tee(sys.stdout, "stdout", link), Tee(sys.stderr, "stderr", link)
     info = init_distributed(os.environ.get(channel.DEVICE_VAR, "auto"), float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))
     ns = {"__name__": "__main__", "__builtins__": __builtins__, "rank": info.rank, "world_size": info.world_size,
@@ -262,6 +263,29 @@ def main() -> None:
                 link.send(run_cell(msg, ns, link))
         except KeyboardInterrupt:  # a late SIGINT between cells: nothing to stop
             continue
+
+
+def _pin_log_handlers() -> None:
+    """Keep torch's own log records (TORCH_LOGS=+pp) in the rank's stderr file, out of the cells' output.
+
+    torch 2.15 logs through a handler that looks `sys.stderr` up at every record (2.13's kept the
+    stream it was made with), so once sys.stderr is the cell's Tee every pipelining DEBUG line would
+    land in the notebook. Each such handler is swapped for one bound to the real stderr."""
+    import torch.distributed.pipelining  # noqa: F401  (torch sets TORCH_LOGS' handlers up on import)
+
+    loggers = [lg for name, lg in list(logging.Logger.manager.loggerDict.items())
+               if name.startswith("torch") and isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        for h in list(lg.handlers):
+            if isinstance(h, logging.FileHandler) or getattr(h, "stream", None) is not sys.stderr:
+                continue
+            pinned = logging.StreamHandler(sys.__stderr__)
+            pinned.setLevel(h.level)
+            pinned.setFormatter(h.formatter)
+            for f in h.filters:
+                pinned.addFilter(f)
+            lg.removeHandler(h)
+            lg.addHandler(pinned)
 
 
 def _level(h: logging.Handler, level: int) -> logging.Handler:
