@@ -41,6 +41,9 @@ __all__ = ["Explorer", "explorer"]
 @dataclass
 class _RunState:
     thread: threading.Thread | None = None
+    """The job's thread while it runs (None once it has finished: the panel reads it)."""
+    worker: threading.Thread | None = None
+    """The same thread, kept after it ends, so `wait()` can join it even when it finished first."""
     stop_event: threading.Event | None = None
     pending: list = field(default_factory=list)
     last_flush: float = 0.0
@@ -198,8 +201,9 @@ class Explorer:
         self.log.outputs = ()
         self.measured_text.value = ""
         self.timeline_image.layout.display = "none"
-        self._state.thread = threading.Thread(target=self._job, args=(cfg,), name="pplab-explorer-run", daemon=True)
-        self._state.thread.start()
+        t = threading.Thread(target=self._job, args=(cfg,), name="pplab-explorer-run", daemon=True)
+        self._state.thread = self._state.worker = t
+        t.start()
 
     def stop(self) -> None:
         """Ask the running job to end (what Stop does)."""
@@ -210,7 +214,7 @@ class Explorer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the running job (if any) and its drawing are done (for scripts and tests)."""
-        t = self._state.thread
+        t = self._state.worker  # not .thread: the job clears that before its last redraw
         if t is not None:
             t.join(timeout)
 

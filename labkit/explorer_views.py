@@ -53,10 +53,12 @@ def validate(controls: dict, check_device: bool = True) -> tuple[RunConfig | Non
         return None, f"Unknown controls {sorted(unknown)}; the explorer knows {', '.join(CONTROL_NAMES)}."
     try:
         cfg = RunConfig(**controls)
-        if check_device and cfg.device == "cuda":
-            from .launch import preflight_device
+        if check_device:
+            from .launch import preflight_device, preflight_torch
 
-            preflight_device(cfg.device, cfg.pp_size)
+            if cfg.device == "cuda":
+                preflight_device(cfg.device, cfg.pp_size)
+            preflight_torch(cfg.schedule, cfg.device, cfg.pp_size)
     except ConfigError as e:
         return None, str(e)
     except TypeError as e:  # a control of the wrong type that RunConfig could not even take

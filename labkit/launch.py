@@ -22,7 +22,7 @@ from pathlib import Path
 from .clean import clean, describe
 from .config import ConfigError, RunConfig
 from .launching.command import (DEFAULT_TIMEOUT_S, PP_LOG_FORMAT, job_env, preflight_device,  # noqa: F401
-                                torchrun_command, validate_nodes)
+                                preflight_torch, torchrun_command, validate_nodes)
 from .launching.diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
 from .launching.processes import descendants, die_with_parent, stop_job
 from .launching.rundir import LaunchError, Run, new_run_dir
@@ -181,6 +181,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
                           f"number of ranks. Use a pp_size that is a multiple of {nnodes}.")
     nproc = cfg.pp_size // nnodes
     preflight_device(cfg.device, nproc)
+    preflight_torch(cfg.schedule, cfg.device, nproc)
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
     r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True, pp_logs=pp_logs,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,

@@ -100,3 +100,29 @@ def test_every_config_field_has_a_flag_with_its_docstring_as_help():
 def test_1f1b_needs_as_many_microbatches_as_stages():
     with pytest.raises(ConfigError, match="1F1B needs at least as many microbatches"):
         RunConfig(schedule="1F1B", pp_size=4, n_microbatches=2)
+
+
+def test_v_shaped_schedules_on_gloo_are_refused_where_torch_fails_them():
+    """torch 2.11 + gloo + ZBVZeroBubble/DualPipeV dies at the first step ('Pair is not connected'):
+    refused before launching with the version that works; nccl, newer torch, loop schedules pass."""
+    from labkit.config import SCHEDULES, validate_torch
+
+    for name in ("ZBVZeroBubble", "DualPipeV"):
+        with pytest.raises(ConfigError, match=r"torch 2\.11\.0\+cu130.*2\.13 or newer"):
+            validate_torch(SCHEDULES[name], "2.11.0+cu130", "gloo")
+        validate_torch(SCHEDULES[name], "2.11.0", "nccl")
+        validate_torch(SCHEDULES[name], "2.13.0+cpu", "gloo")
+        validate_torch(SCHEDULES[name], "2.15.0+cu132", "gloo")
+    validate_torch(SCHEDULES["Interleaved1F1B"], "2.11.0", "gloo")
+
+
+def test_the_torch_refusal_reaches_labkit_run_before_any_rank(monkeypatch, tmp_path):
+    from importlib import metadata
+
+    import labkit
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: "2.11.0" if d == "torch" else real(d))
+    with pytest.raises(ConfigError, match="Pair is not connected"):
+        labkit.run(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=4, device="cpu", out=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
