@@ -247,15 +247,19 @@ class RunConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "RunConfig":
         """The config a launch wrote into a run directory's config.json (or that file's path)."""
-        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        try:
-            with open(p) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"No config at {p}: the kit's jobs read their RunConfig from the run directory's "
-                              f"config.json, which `labkit run` writes. Launch through `labkit run`, or pass "
-                              f"--config PATH.") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A run directory's config.json (or that file), as the launcher wrote it for the job to read."""
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"No config at {p}: the kit's jobs read their config from the run directory's "
+                          f"config.json, which `labkit run` writes. Launch through `labkit run`, or pass "
+                          f"--config PATH.") from None
 
 
 def validate_sizes(pp_size: int, n_microbatches: int) -> None:

@@ -112,6 +112,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
 
     device = device if device is not None else (stages[0].device if stages else "cpu")
     has_last = any(s.is_last for s in stages)
+    mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
     ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device)
     gmax = ldiff = odiff = 0.0
     numel = 0
@@ -130,14 +131,13 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
             modules = [s.submod for s in stages]
         gmax, numel = grad_diff(modules, grads, ref)
         if has_last:
-            mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses]
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):
                 ldiff = float("inf")
     per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra], device)
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if loss_fn is None else worker.broadcast_floats(
-        [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else None,
+        mine if has_last else None,
         n_microbatches, last_rank, device)
     gmax, ldiff, odiff = (max(r[i] for r in per_rank) for i in (0, 2, 3))
     compared = int(sum(r[1] for r in per_rank))

@@ -17,7 +17,6 @@ unsplit model on the whole batch, with the timing switched off for the reference
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from .config import SCHEDULES, ConfigError, schedule_info, validate_microbatches, validate_schedule
+from .config import (SCHEDULES, ConfigError, read_config_json, schedule_info, validate_microbatches,
+                     validate_schedule)
 
 MODES = ("sleep", "spin")
 
@@ -141,9 +141,7 @@ class WorkloadConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "WorkloadConfig":
-        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        with open(p) as f:
-            return cls(**json.load(f))
+        return cls(**read_config_json(path))
 
 
 def stage_module(cfg: WorkloadConfig, stage: int) -> nn.Module:

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import worker
 from ..config import ConfigError, RunConfig
 from ..model import build_model, make_batch, tokenwise_loss_fn
-from ..reference import check_step
+from ..reference import check_step, stage_grads
 from ..stages import build_schedule, build_stages
 
 
@@ -50,7 +50,7 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step)."""
-    has_first, has_last = stages[0].is_first or any(s.is_first for s in stages), any(s.is_last for s in stages)
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
     first = {"losses": [], "grads": None, "output": None}
@@ -67,8 +67,6 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False):
             out = schedule.step(*args, **kwargs)
         step_times.append(elapsed())
         if step == 0:
-            from ..reference import stage_grads
-
             first = {"losses": list(losses), "grads": stage_grads(stages),
                      "output": out.detach() if (has_last and out is not None) else None}
         step_losses.append(sum(float(l.detach()) for l in losses) / len(losses) if losses else float("nan"))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..clean import kill_all
 from ..launching.command import job_env, torchrun_command
+from ..launching.diagnose import launcher_text
 from ..launching.processes import descendants, die_with_parent, stop_job
 from . import channel
 
@@ -170,9 +171,7 @@ class Job:
         return "\n".join(lines[-n:]) or "(empty)"
 
     def launcher_tail(self, n: int = TAIL_LINES) -> str:
-        p = self.run_dir / "launcher.log"
-        text = p.read_text(errors="replace") if p.exists() else ""
-        return "\n".join(text.splitlines()[-n:]) or "(empty)"
+        return "\n".join(launcher_text(self.run_dir).splitlines()[-n:]) or "(empty)"
 
     def faulthandler_stack(self, rank: int, wait: float = 0.5) -> str:
         """The fallback when a rank's reader thread cannot answer: faulthandler writes every thread's
@@ -221,8 +220,9 @@ class Job:
                     self.proc.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     pass
-            stop_job(self.proc, known, grace=grace)
-        kill_all(list(known.values()), grace)
+            stop_job(self.proc, known, grace=grace)  # ends the agent, then every rank it knew of
+        else:
+            kill_all(list(known.values()), grace)
         for conn in list(self.conns.values()):
             channel.shutdown(conn)
         if self.listener is not None:
