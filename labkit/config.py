@@ -297,23 +297,16 @@ def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | N
     return stages_per_rank
 
 
-# V-shaped schedules on gloo fail at their first step on torch 2.11 ("Pair is not connected" in
-# batch_isend_irecv, hand-built and traced stages alike); they run on 2.13 and 2.15 (all checked here).
-V_ON_GLOO_FROM = (2, 13)
+def validate_torch(torch_version: str) -> None:
+    """A torch older than the kit supports is refused before anything starts (`versions.SUPPORTED`)."""
+    from .versions import SUPPORTED, parse, support_problem
 
-
-def validate_torch(info: ScheduleInfo, torch_version: str, backend: str) -> None:
-    """Schedule and torch combinations known to fail, refused before anything starts."""
     try:
-        have = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
+        too_old = parse(torch_version) < SUPPORTED[0]
     except ValueError:
         return
-    if info.v_shaped and backend == "gloo" and have < V_ON_GLOO_FROM:
-        raise ConfigError(
-            f"{info.name} fails on gloo (CPU ranks) with torch {torch_version}: its first step dies with 'Pair "
-            f"is not connected' (seen on 2.11). It runs with torch {V_ON_GLOO_FROM[0]}.{V_ON_GLOO_FROM[1]} or newer "
-            f"(pip install torch==2.13.0 on CPU machines), or on nccl with one GPU per rank. Or pick a "
-            f"loop-placement schedule such as Interleaved1F1B or InterleavedZeroBubble.")
+    if too_old:
+        raise ConfigError(support_problem(torch_version))
 
 
 def validate_microbatches(info: ScheduleInfo, pp_size: int, n_stages: int, n_microbatches: int) -> None:

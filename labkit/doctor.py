@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import platform
 
-MIN_TORCH = (2, 8)
+from .versions import SUPPORTED, parse, support_problem, text
+
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "matplotlib", "nbval", "psutil", "numpy")
 
 
@@ -19,16 +20,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _torch_tuple(v: str) -> tuple[int, int]:
-    parts = v.split("+")[0].split(".")
-    return int(parts[0]), int(parts[1])
-
-
 def doctor() -> dict:
     """A report dict: versions, CPUs, GPUs, which backends can run, and problems with their fixes."""
     problems: list[dict] = []
+    warnings: list[str] = []
     report: dict = {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "packages": {}, "problems": problems}
+                    "cpus": os.cpu_count(), "packages": {}, "problems": problems, "warnings": warnings}
     torch_v = _version("torch")
     report["packages"]["torch"] = torch_v
     for name in LAB_PACKAGES:
@@ -39,14 +36,17 @@ def doctor() -> dict:
     gpus, backends = 0, []
     if torch_v is None:
         problems.append({"what": "torch is not installed",
-                         "fix": "pip install torch==2.13.0 (CPU laptops), or a CUDA build on GPU nodes (see README)"})
+                         "fix": f"pip install 'torch>={text(SUPPORTED[0])}' (or a CUDA build on GPU nodes, see README)"})
     else:
         import torch
         import torch.distributed as dist
 
-        if _torch_tuple(torch_v) < MIN_TORCH:
-            problems.append({"what": f"torch {torch_v} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}",
-                             "fix": "pip install 'torch>=2.8' (2.13.0 on CPU machines)"})
+        unsupported = support_problem(torch_v)
+        if unsupported and parse(torch_v) < SUPPORTED[0]:
+            what, _, fix = unsupported.partition(": ")
+            problems.append({"what": what, "fix": fix})
+        elif unsupported:
+            warnings.append(unsupported)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if dist.is_available() and dist.is_gloo_available():
             backends.append("gloo (CPU ranks)")
@@ -58,7 +58,7 @@ def doctor() -> dict:
             import torch.distributed.pipelining  # noqa: F401
         except Exception as e:  # pragma: no cover - depends on the torch build
             problems.append({"what": f"torch.distributed.pipelining does not import: {e}",
-                             "fix": "install torch>=2.8 with distributed support"})
+                             "fix": f"install torch>={text(SUPPORTED[0])} with distributed support"})
         if not backends:
             problems.append({"what": "no distributed backend available",
                              "fix": "install a torch build with distributed support (the PyPI wheels have it)"})
@@ -77,6 +77,8 @@ def format_report(r: dict) -> str:
     lines.append(f"backends    {', '.join(r['backends']) or 'none'}")
     lines.append(f"device      labkit runs on {r['default_device']} by default"
                  + ("" if r["gpus"] else " (no GPU: gloo ranks on the CPU cores)"))
+    for w in r.get("warnings", []):
+        lines.append(f"WARNING     {w}")
     for p in r["problems"]:
         lines.append(f"PROBLEM     {p['what']}\n  fix:      {p['fix']}")
     lines.append("all good" if r["ok"] else f"{len(r['problems'])} problem(s) to fix")

@@ -58,7 +58,7 @@ def validate(controls: dict, check_device: bool = True) -> tuple[RunConfig | Non
 
             if cfg.device == "cuda":
                 preflight_device(cfg.device, cfg.pp_size)
-            preflight_torch(cfg.schedule, cfg.device, cfg.pp_size)
+            preflight_torch()
     except ConfigError as e:
         return None, str(e)
     except TypeError as e:  # a control of the wrong type that RunConfig could not even take

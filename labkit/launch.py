@@ -181,7 +181,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
                           f"number of ranks. Use a pp_size that is a multiple of {nnodes}.")
     nproc = cfg.pp_size // nnodes
     preflight_device(cfg.device, nproc)
-    preflight_torch(cfg.schedule, cfg.device, nproc)
+    preflight_torch()
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
     r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True, pp_logs=pp_logs,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,

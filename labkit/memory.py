@@ -45,3 +45,29 @@ def saved_activation_bytes(module, *inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(*inputs)
     return sum(seen.values())
+
+
+def torch_liveness(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1) -> dict[int, int]:
+    """Per rank, the activation slots torch 2.15's `analyze_pipeline_activation_liveness` says the
+    schedule's plan needs: the most (stage, microbatch) activations a rank holds at once (granularity
+    "stage_microbatch"). Compare with `orders.rank_peak_in_flight` of the kit's plan (notebook 04).
+
+    Raises `ScheduleError` on a torch without the analysis (before 2.15), and passes on torch's own
+    `ValueError` when it cannot read the schedule's plan (2.15 reads Schedule1F1B's last rank as
+    forwarding microbatches 1..m instead of 0..m-1, notebook 04).
+    """
+    from torch.distributed import pipelining
+
+    from .orders import ScheduleError
+    from .theory.plans import mock_schedule
+
+    analyze = getattr(pipelining, "analyze_pipeline_activation_liveness", None)
+    if analyze is None:
+        raise ScheduleError("analyze_pipeline_activation_liveness needs torch 2.15 or newer "
+                            "(labkit.versions.has('activation liveness')).")
+    from .config import stage_placement, schedule_info
+
+    sched = mock_schedule(schedule, pp_size, n_microbatches, stages_per_rank)
+    placement = stage_placement(pp_size, stages_per_rank, schedule_info(schedule).v_shaped)
+    return {r: analyze(sched, pp_rank=r, stage_indices=placement[r], granularity="stage_microbatch").num_slots
+            for r in range(pp_size)}

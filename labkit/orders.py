@@ -173,6 +173,20 @@ def peak_in_flight(order) -> dict[int, int]:
     return dict(sorted(peak.items()))
 
 
+def rank_peak_in_flight(order) -> dict[int, int]:
+    """Per rank, the most (stage, microbatch) activations held at once over all of the rank's stages
+    (the per-stage counts of `peak_in_flight` may peak at different times). What torch 2.15's
+    `analyze_pipeline_activation_liveness` computes, as `labkit.memory.torch_liveness` asks it."""
+    peak: dict[int, int] = {}
+    for rank, acts in normalize_order(order).items():
+        held = 0
+        peak[rank] = 0
+        for kind, _stage, _mb in acts:
+            held += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+            peak[rank] = max(peak[rank], held)
+    return dict(sorted(peak.items()))
+
+
 def torch_actions(order) -> dict[int, list[str]]:
     """`{rank: ["0F0", "1I2", ...]}`: an order (or a Timeline) in torch's short form, stage kind microbatch."""
     return {r: [f"{s}{k}{mb}" for k, s, mb in acts] for r, acts in normalize_order(order).items()}

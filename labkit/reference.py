@@ -23,15 +23,17 @@ class Reference:
     output: torch.Tensor | None = None
 
 
-def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu") -> Reference:
-    """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch."""
+def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
+                          chunk_dim: int = 0) -> Reference:
+    """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch;
+    the per-microbatch losses from the output and target cut along `chunk_dim`."""
     ref = copy.deepcopy(model).to(device)
     ref.zero_grad(set_to_none=True)
     if loss_fn is None:
         with torch.no_grad():
             return Reference(output=ref(x).detach())
     out = ref(x)
-    losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=0), y.chunk(n_microbatches, dim=0))]
+    losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim), y.chunk(n_microbatches, dim=chunk_dim))]
     torch.stack(losses).mean().backward()
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return Reference(losses=[float(l.detach()) for l in losses], grads=grads)
@@ -99,13 +101,14 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
-               device=None) -> Check:
+               device=None, chunk_dim: int = 0) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
     stages: this rank's PipelineStages; losses: the `losses` list the schedule filled (last stage);
     grads: the gradients to compare (default: the stages' gradients now, `stage_grads`);
-    loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead.
+    loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead;
+    chunk_dim: the dim the microbatches were cut along (1 for microbatches pre-split along dim 1).
     Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
     """
     from . import worker
@@ -113,7 +116,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     device = device if device is not None else (stages[0].device if stages else "cpu")
     has_last = any(s.is_last for s in stages)
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
-    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device)
+    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim)
     gmax = ldiff = odiff = 0.0
     numel = 0
     if loss_fn is None:

@@ -74,10 +74,13 @@ def choose_device(requested: str, local_rank: int, local_world_size: int) -> tor
 
 def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
     """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout. The rank
-    gets SIGTERM when its torchrun agent dies (even by SIGKILL): no orphans."""
+    gets SIGTERM when its torchrun agent dies (even by SIGKILL): no orphans. Older torch gets the
+    kit's workarounds first (`versions.apply_workarounds`)."""
     from .launching.processes import set_parent_death_signal
+    from .versions import apply_workarounds
 
     set_parent_death_signal()
+    apply_workarounds()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -31,6 +31,37 @@ def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
     assert peak_in_flight({0: [("F", 0, 0), ("F", 0, 1), ("I", 0, 0), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)]}) == {0: 2}
 
 
+def test_rank_peak_in_flight_sums_a_ranks_stages_at_each_moment():
+    from labkit.orders import peak_in_flight, rank_peak_in_flight
+
+    order = {0: [("F", 0, 0), ("F", 2, 0), ("B", 2, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]}
+    assert rank_peak_in_flight(order) == {0: 2} and peak_in_flight(order) == {0: 2, 2: 1}
+    assert rank_peak_in_flight({0: [("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("W", 0, 0), ("W", 0, 1)]}) == {0: 2}
+
+
+def test_torch_liveness_agrees_with_the_kits_count_except_torchs_own_1f1b_plan():
+    """torch 2.15's analyze_pipeline_activation_liveness, against the kit's count (notebook 04)."""
+    import pytest
+
+    from labkit import SCHEDULES, versions
+    from labkit.memory import torch_liveness
+    from labkit.orders import ScheduleError, rank_peak_in_flight
+    from labkit.theory import planned_actions
+
+    if not versions.has("activation liveness"):
+        with pytest.raises(ScheduleError, match="needs torch 2.15"):
+            torch_liveness("GPipe", 2, 4)
+        return
+    for name, info in SCHEDULES.items():
+        spr = 2 if info.multi else 1
+        for p, m in ((2, 4), (4, 8)):
+            if name == "1F1B":
+                with pytest.raises(ValueError, match=f"Action {p - 1}F{m} has a microbatch outside"):
+                    torch_liveness(name, p, m, spr)
+                continue
+            assert torch_liveness(name, p, m, spr) == rank_peak_in_flight(planned_actions(name, p, m, spr if info.multi else None)), name
+
+
 def test_saved_activation_bytes_counts_activations_not_weights():
     import torch
 

@@ -79,28 +79,18 @@ def validate_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> No
             raise ConfigError(f"--rdzv-endpoint must look like HOST:PORT (e.g. node001:29400), got {rdzv_endpoint!r}.")
 
 
-def preflight_torch(schedule: str, device: str, nproc: int) -> None:
-    """The installed torch and the backend the job will get, held to `config.validate_torch`. Reads
-    torch's version from its metadata; imports torch only when the answer depends on the GPUs."""
+def preflight_torch() -> None:
+    """The installed torch held to `config.validate_torch` (the supported range), read from its
+    metadata without importing it."""
     from importlib import metadata
 
-    from ..config import schedule_info, validate_torch
+    from ..config import validate_torch
 
-    info = schedule_info(schedule)
     try:
         version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         return
-    if not info.v_shaped:
-        return
-    backend = "gloo"
-    if device == "cuda":
-        backend = "nccl"
-    elif device == "auto":
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
-    validate_torch(info, version, backend)
+    validate_torch(version)
 
 
 def preflight_device(device: str, nproc: int) -> None:

@@ -73,8 +73,11 @@ def _torch_order(info, pp_size: int, m: int, stages_per_rank: int) -> dict[int, 
     return {r: list(acts) for r, acts in cached.items()}  # callers may edit their copy
 
 
-@lru_cache(maxsize=256)  # sweeps (notebook 03, the explorer) ask for the same plans again and again
-def _torch_order_cached(info, pp_size: int, m: int, stages_per_rank: int) -> dict[int, tuple[PlannedAction, ...]]:
+def mock_schedule(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1):
+    """torch's schedule object for rank 0, built with mock stages (no process group): enough for what
+    a schedule plans (`pipeline_order`) and what torch 2.15 analyses from it (`labkit.memory`)."""
+    info = schedule_info(schedule)
+    m = n_microbatches
     try:
         from unittest import mock
 
@@ -84,7 +87,7 @@ def _torch_order_cached(info, pp_size: int, m: int, stages_per_rank: int) -> dic
         schedule_cls = getattr(pipelining, info.cls)
     except (ImportError, AttributeError) as e:
         raise ScheduleError(f"torch {torch_version()} has no torch.distributed.pipelining.{info.cls} ({e}). "
-                            f"The kit needs torch >= 2.8; check `labkit doctor`.") from e
+                            f"The kit needs torch >= 2.11; check `labkit doctor`.") from e
 
     n_stages = pp_size * stages_per_rank
     stages = []
@@ -101,7 +104,7 @@ def _torch_order_cached(info, pp_size: int, m: int, stages_per_rank: int) -> dic
         stage.submod = None
         stages.append(stage)
     try:
-        schedule = schedule_cls(stages, m)
+        return schedule_cls(stages if info.multi else stages[0], m)
     except ValueError as e:  # torch's own rule for this combination: pass it on, it is the lesson
         raise ConfigError(f"torch refuses {info.name} with pp_size={pp_size}, stages_per_rank={stages_per_rank}, "
                           f"n_microbatches={m}: {e}") from e
@@ -111,6 +114,11 @@ def _torch_order_cached(info, pp_size: int, m: int, stages_per_rank: int) -> dic
             f"({type(e).__name__}: {e}). This is a kit bug for this torch version: please report it, and use "
             f"`simulate_order` with an order written by hand meanwhile."
         ) from e
+
+
+@lru_cache(maxsize=256)  # sweeps (notebook 03, the explorer) ask for the same plans again and again
+def _torch_order_cached(info, pp_size: int, m: int, stages_per_rank: int) -> dict[int, tuple[PlannedAction, ...]]:
+    schedule = mock_schedule(info.name, pp_size, m, stages_per_rank)
     raw = getattr(schedule, "pipeline_order", None)
     if not isinstance(raw, dict) or sorted(raw) != list(range(pp_size)):
         raise ScheduleError(f"{info.cls} in torch {torch_version()} has no pipeline_order for ranks 0..{pp_size - 1} "
