@@ -23,6 +23,29 @@ def param_groups(module) -> dict[str, int]:
     return out
 
 
+def byte_range(t) -> tuple[int, int, int]:
+    """(storage, first byte, end byte) of the memory a tensor looks at. A view covers only its own
+    part of its storage: the microbatches step() cuts from a batch are views of it, and q, k, v can be
+    three views of one projection. Overlapping views (a tensor and its transpose) cover the same bytes."""
+    size = t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    first = t.storage_offset() * size
+    return t.untyped_storage().data_ptr(), first, first + span * size
+
+
+def union_length(ranges) -> int:
+    """Bytes covered by (first, end) ranges, overlaps counted once."""
+    total, end = 0, None
+    for a, b in sorted(ranges):
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
 def saved_activation_bytes(module, *inputs) -> int:
     """Bytes autograd saves for the backward during one forward of `module` on `inputs`.
 
@@ -33,18 +56,17 @@ def saved_activation_bytes(module, *inputs) -> int:
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, set] = {}
 
     def pack(t):
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                seen[s.data_ptr()] = s.nbytes()
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            storage, first, end = byte_range(t)
+            seen.setdefault(storage, set()).add((first, end))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(*inputs)
-    return sum(seen.values())
+    return sum(union_length(ranges) for ranges in seen.values())
 
 
 def torch_liveness(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1) -> dict[int, int]:
@@ -71,3 +93,94 @@ def torch_liveness(schedule: str, pp_size: int, n_microbatches: int, stages_per_
     placement = stage_placement(pp_size, stages_per_rank, schedule_info(schedule).v_shaped)
     return {r: analyze(sched, pp_rank=r, stage_indices=placement[r], granularity="stage_microbatch").num_slots
             for r in range(pp_size)}
+
+
+class SavedTensorTracker:
+    """Measured activation memory: the bytes autograd keeps for the backward, per stage, over a step.
+
+    Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`) go around each stage's forward:
+    every tensor autograd saves is wrapped in a small holder, counted when it is saved and uncounted
+    when autograd lets it go (after the backward that needs it: B, or W for a split backward). Bytes
+    are those the saved tensors look at (`byte_range`: a view counts its part of its storage, memory
+    saved twice counts once), and the stage's own parameters are not activations and are left out. `events` holds `(time, stage, bytes held by that stage)` at every change, time as
+    `time.time()` (the clock of the kit's log lines, so it lines up with the step's timeline). On a
+    GPU each event also carries `torch.cuda.memory_allocated()`, the allocator's view (everything,
+    not only activations); on CPU that field is None.
+
+        tracker = SavedTensorTracker(stages)      # on each rank, before schedule.step(...)
+        schedule.step(...)
+        tracker.events                            # the kernel draws them: plot.plot_memory
+    """
+
+    def __init__(self, stages):
+        import torch
+
+        self.events: list[tuple[float, int, int, int | None]] = []
+        self._held: dict[int, int] = {}
+        self._live: dict[tuple[int, int], dict[tuple[int, int], int]] = {}  # (stage, storage) -> {range: count}
+        self._torch = torch
+        for st in stages:
+            self._wrap(st.submod, st.stage_index)
+
+    def _wrap(self, module, stage: int) -> None:
+        torch = self._torch
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        original = module.forward
+        tracker = self
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() in params or t.numel() == 0:
+                return t  # a weight (or nothing): not an activation
+            storage, first, end = byte_range(t)
+            return _Held(tracker, stage, t, storage, (first, end))
+
+        def unpack(held):
+            return held.tensor if isinstance(held, _Held) else held
+
+        def forward(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return original(*args, **kwargs)
+
+        module.forward = forward
+        self._held.setdefault(stage, 0)
+
+    def _change(self, stage: int, storage: int, rng: tuple[int, int], delta: int, device) -> None:
+        import time
+
+        live = self._live.setdefault((stage, storage), {})
+        before = union_length(live)
+        live[rng] = live.get(rng, 0) + delta
+        if live[rng] <= 0:
+            del live[rng]
+        change = union_length(live) - before
+        if not live:
+            del self._live[(stage, storage)]
+        if change == 0:
+            return
+        self._held[stage] += change
+        allocated = self._torch.cuda.memory_allocated(device) if getattr(device, "type", "cpu") == "cuda" else None
+        self.events.append((time.time(), stage, self._held[stage], allocated))
+
+    def peak(self) -> dict[int, int]:
+        """Per stage, the most bytes held at once."""
+        out = {s: 0 for s in self._held}
+        for _, s, held, _ in self.events:
+            out[s] = max(out[s], held)
+        return out
+
+
+class _Held:
+    """A saved tensor, as autograd's graph holds it: counted while the graph keeps this holder."""
+
+    __slots__ = ("tensor", "tracker", "stage", "storage", "rng", "device")
+
+    def __init__(self, tracker, stage, tensor, storage, rng):
+        self.tensor, self.tracker, self.stage, self.storage, self.rng = tensor, tracker, stage, storage, rng
+        self.device = tensor.device
+        tracker._change(stage, storage, rng, +1, self.device)
+
+    def __del__(self):
+        try:
+            self.tracker._change(self.stage, self.storage, self.rng, -1, self.device)
+        except Exception:  # interpreter shutdown: nothing left to count
+            pass

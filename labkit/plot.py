@@ -6,8 +6,12 @@ global rcParams. `plot_side_by_side` builds a `matplotlib.figure.Figure` without
 notebook shows it once (return it from the cell) and tests can `savefig` it headless.
 Taught in notebooks 03 (bubbles), 05 (reading a measured timeline) and 06 (measured vs ideal).
 
-Colours are fixed per action kind (F blue, B orange, I teal, W green, SEND/RECV grey), as in
-torch's own schedule visualizer, so the same kind looks the same in every notebook.
+Colours are fixed per action kind, from the Okabe-Ito palette (safe for the common colour-vision
+deficiencies): F blue, B vermillion, I dark bluish green and W the same hue much lighter (the two
+halves of a split backward differ in lightness, so they stay apart in greyscale too), SEND/RECV grey.
+Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits;
+idle time is drawn hatched, with each rank's idle share at the right; the title says where the
+timeline comes from (torch's logs, a profiler trace, or simulated, with fitted or nominal costs).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from .theory import closed_form_bubble
 from .timeline import COMM_KINDS, COMPUTE_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
-           "plot_bubble_sweep"]
+           "plot_bubble_sweep", "plot_memory"]
 
-KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#2A9D8F", "W": "#55A868", "SEND": "#8C8C8C", "RECV": "#C7C7C7"}
+STAGE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
+
+KIND_COLORS = {"F": "#0072B2", "B": "#D55E00", "I": "#00735A", "W": "#9ADBC5", "SEND": "#7F7F7F", "RECV": "#C7C7C7"}
 KIND_LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (inputs)", "W": "W backward (weights)",
                "SEND": "SEND", "RECV": "RECV"}
-_TEXT_COLORS = {"F": "white", "B": "black", "I": "white", "W": "white"}
+_TEXT_COLORS = {"F": "white", "B": "white", "I": "white", "W": "black"}
+IDLE_STYLE = {"facecolor": "none", "edgecolor": "#B0B0B0", "hatch": "////", "linewidth": 0}
 _LABEL_FONTSIZE = 7
 
 
@@ -47,7 +54,10 @@ def bubble_summary(timeline: Timeline) -> str:
 
 def _default_title(timeline: Timeline) -> str:
     meta = timeline.meta
-    what = {"theory": "ideal", "profiler": "profiler"}.get(timeline.source, "measured")
+    what = {"theory": "ideal", "profiler": "measured (profiler trace)"}.get(timeline.source, "measured (torch's logs)")
+    if timeline.source == "theory":
+        what = ("ideal (simulated, costs fitted to the measured run)" if meta.get("costs") == "fitted"
+                else "ideal (simulated)")
     name = meta.get("schedule")
     if name:
         try:  # logs name the class (ScheduleDualPipeV); the kit's short name reads better
@@ -62,11 +72,14 @@ def _default_title(timeline: Timeline) -> str:
     return ", ".join(parts)
 
 
-def kind_legend(ax, kinds: Sequence[str] = COMPUTE_KINDS, **kwargs):
-    """A legend of the action colours (outside the axes, on the right, unless `loc` is given)."""
+def kind_legend(ax, kinds: Sequence[str] = COMPUTE_KINDS, idle: bool = False, **kwargs):
+    """A legend of the action colours (outside the axes, on the right, unless `loc` is given);
+    `idle` adds the hatched idle time."""
     handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_LABELS[k]) for k in kinds]
+    if idle:
+        handles.append(Patch(**IDLE_STYLE, label="idle"))
     if "loc" not in kwargs:
-        kwargs.update(loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
+        kwargs.update(loc="upper left", bbox_to_anchor=(1.07, 1.0), borderaxespad=0.0)
     kwargs.setdefault("fontsize", "small")
     kwargs.setdefault("frameon", False)
     return ax.legend(handles=handles, **kwargs)
@@ -96,6 +109,16 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
     row_y = {r: i for i, r in enumerate(rows)}
     stage_rank = {a.stage: a.rank for a in t.compute()}
 
+    makespan = max(a.end for a in t.actions)
+    if show_bubble and makespan > 0:  # idle time: hatched under the bars; per rank, its share at the right
+        metrics = t.metrics()
+        for row in rows:
+            artists.append(ax.broken_barh([(0, makespan)], (row_y[row] - 0.4, 0.8), **IDLE_STYLE, zorder=0))
+            if by == "rank" and str(row) in metrics["idle"] and metrics["makespan"] > 0:
+                share = metrics["idle"][str(row)] / metrics["makespan"]
+                artists.append(ax.text(1.0, row_y[row], f" idle {share:.0%}", transform=ax.get_yaxis_transform(),
+                                       ha="left", va="center", fontsize="small", color="#555555"))
+
     groups: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for a in t.actions:
         groups[(key(a), a.kind)].append((a.start, a.duration))
@@ -107,7 +130,6 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
             yrange, style = (y - 0.4, 0.8), {"edgecolor": "white", "linewidth": 0.6}
         artists.append(ax.broken_barh(xranges, yrange, facecolors=KIND_COLORS.get(kind, "#555555"), **style))
 
-    makespan = max(a.end for a in t.actions)
     ax.set_xlim(0, makespan * 1.01 if makespan > 0 else 1)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # row 0 on top, without invert_yaxis (which toggles)
     ax.set_yticks(range(len(rows)))
@@ -119,21 +141,24 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
     ax.set_axisbelow(True)
 
     if label_microbatches and makespan > 0:
-        # Write the microbatch inside bars wide enough for it, measured in points on the page.
+        # Write the action inside bars wide enough for it (measured in points on the page).
         fig = ax.figure
         width_pt = ax.get_window_extent().width * 72.0 / fig.dpi
         pt_per_unit = width_pt / (makespan * 1.01)
         for a in t.compute():
-            label = str(a.microbatch)
-            if a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2:
-                artists.append(ax.text(a.start + a.duration / 2, row_y[key(a)], label, ha="center", va="center",
-                                       fontsize=_LABEL_FONTSIZE, color=_TEXT_COLORS.get(a.kind, "black")))
+            for label in (f"{a.stage}{a.kind}{a.microbatch}", str(a.microbatch)):  # torch's 2F1, else just 1
+                if a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2:
+                    break
+            else:
+                continue  # too narrow for any label
+            artists.append(ax.text(a.start + a.duration / 2, row_y[key(a)], label, ha="center", va="center",
+                                   fontsize=_LABEL_FONTSIZE, color=_TEXT_COLORS.get(a.kind, "black")))
     if show_bubble:
         heading = f"{heading}\n{bubble_summary(t)}"
     artists.append(ax.set_title(heading, fontsize="medium"))
     if legend:
         present = [k for k in (*COMPUTE_KINDS, *COMM_KINDS) if any(a.kind == k for a in t.actions)]
-        artists.append(kind_legend(ax, present))
+        artists.append(kind_legend(ax, present, idle=show_bubble))
     return artists
 
 
@@ -189,4 +214,39 @@ def plot_bubble_sweep(ax, ms: Sequence[int], measured: Sequence[float | None] | 
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     artists.append(ax.legend(fontsize="small"))
+    return artists
+
+
+def plot_memory(ax, events: dict, timeline: Timeline, planned: dict[int, int] | None = None,
+                unit: str = "KiB") -> list:
+    """Measured activation memory under a timeline: bytes each stage holds for its backward, over
+    the step (a `memory.SavedTensorTracker`'s events, `{rank: [(time, stage, bytes, allocated), ...]}`),
+    on the timeline's time axis (0 = its first action). `planned`: `{stage: bytes}` drawn dashed,
+    e.g. the planned microbatches in flight times one microbatch's bytes. Returns the artists."""
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit]
+    t0 = min(a.start for a in timeline.actions) if timeline.actions else 0.0
+    end = max(a.end for a in timeline.actions) - t0 if timeline.actions else 0.0
+    by_stage: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for evs in events.values():
+        for t, stage, held, _allocated in evs:
+            by_stage[stage].append((t - t0, held))
+    artists: list = []
+    for stage in sorted(by_stage):
+        pts = sorted(by_stage[stage])
+        xs = [0.0] + [t for t, _ in pts] + [max(end, pts[-1][0])]
+        ys = [0.0] + [h / scale for _, h in pts] + [pts[-1][1] / scale]
+        color = STAGE_COLORS[stage % len(STAGE_COLORS)]
+        artists.extend(ax.step(xs, ys, where="post", color=color, linewidth=1.6, label=f"stage {stage}"))
+        if planned and stage in planned:
+            artists.append(ax.axhline(planned[stage] / scale, color=color, linestyle="--", linewidth=1,
+                                      label=f"stage {stage} planned peak"))
+    ax.set_xlim(0, end * 1.01 if end > 0 else 1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(f"time ({_unit(timeline)})")
+    ax.set_ylabel(f"held ({unit})")
+    ax.grid(alpha=0.3)
+    artists.append(ax.set_title("activations held for the backward, per stage (measured: saved-tensor hooks)",
+                                fontsize="medium"))
+    artists.append(ax.legend(loc="upper left", bbox_to_anchor=(1.07, 1.0), borderaxespad=0.0, fontsize="small",
+                             frameon=False))
     return artists

@@ -101,14 +101,16 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
-               device=None, chunk_dim: int = 0) -> Check:
+               device=None, chunk_dim: int = 0, group=None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
     stages: this rank's PipelineStages; losses: the `losses` list the schedule filled (last stage);
     grads: the gradients to compare (default: the stages' gradients now, `stage_grads`);
     loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead;
-    chunk_dim: the dim the microbatches were cut along (1 for microbatches pre-split along dim 1).
+    chunk_dim: the dim the microbatches were cut along (1 for microbatches pre-split along dim 1);
+    group: the pipeline's process group when the job holds several pipelines (PP x DP, notebook 10):
+    the check is a collective over it, and `losses` / `x` / `y` are the whole batch of all of them.
     Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
     """
     from . import worker
@@ -137,11 +139,11 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):
                 ldiff = float("inf")
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra], device)
+    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra], device, group)
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if loss_fn is None else worker.broadcast_floats(
         mine if has_last else None,
-        n_microbatches, last_rank, device)
+        n_microbatches, last_rank, device, group)
     gmax, ldiff, odiff = (max(r[i] for r in per_rank) for i in (0, 2, 3))
     compared = int(sum(r[1] for r in per_rank))
     expected = sum(p.numel() for p in full.parameters())

@@ -136,18 +136,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's list of floats (all lists the same length), as plain Python lists."""
+def all_gather_floats(values: list[float], device: torch.device, group=None) -> list[list[float]]:
+    """Every rank's list of floats (all lists the same length), as plain Python lists, in rank order
+    (ranks of `group`, the whole job by default)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
     return [o.cpu().tolist() for o in out]
 
 
-def broadcast_floats(values: list[float] | None, n: int, src: int, device: torch.device) -> list[float]:
-    """`values` (length n) from rank `src` to every rank."""
+def broadcast_floats(values: list[float] | None, n: int, src: int, device: torch.device, group=None) -> list[float]:
+    """`values` (length n) from rank `src` (a rank of `group`, the whole job by default) to every rank."""
     t = torch.tensor(values if values is not None else [0.0] * n, dtype=torch.float64, device=device)
-    dist.broadcast(t, src)
+    dist.broadcast(t, dist.get_global_rank(group, src) if group is not None else src, group=group)
     return t.cpu().tolist()
 
 

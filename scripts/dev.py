@@ -151,27 +151,11 @@ def test(argv: list[str]) -> int:
 
 
 def handouts(argv: list[str]) -> int:
-    """HTML handouts of the executed notebooks (figures embedded), and PDFs printed by Chromium when present.
-
-    `--execute` runs the notebooks again first (the committed outputs are used otherwise)."""
+    """Handouts that print cleanly (scripts/handouts.py): HTML with math as MathML, wrapped code and
+    widgets as text, and PDFs printed by Chromium when present. `--execute` runs the notebooks again
+    first (the committed outputs are used otherwise); names of notebooks limit it to those."""
     setup()
-    out = ROOT / "handouts"
-    out.mkdir(exist_ok=True)
-    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    extra = ["--execute", "--ExecutePreprocessor.timeout=600"] if "--execute" in argv else []
-    sh(vpython(), "-m", "jupyter", "nbconvert", "--to", "html", "--embed-images", *extra, "--output-dir", out,
-       *notebooks, cwd=ROOT / "notebooks")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if chromium is None:
-        print("PDF handouts skipped: no chromium found (apt-get install chromium); the HTML handouts are complete.")
-    else:
-        for html in sorted(out.glob("[0-9][0-9]_*.html")):
-            pdf = html.with_suffix(".pdf")
-            sh(chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--no-pdf-header-footer", f"--print-to-pdf={pdf}", html.as_uri(),
-               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    print(f"handouts written to {out}")
-    return 0
+    return subprocess.run([str(vpython()), str(ROOT / "scripts" / "handouts.py"), *argv], cwd=ROOT).returncode
 
 
 def bench(argv: list[str]) -> int:

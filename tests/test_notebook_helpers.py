@@ -258,3 +258,30 @@ def test_custom_schedule_reads_its_csv_with_the_kits_rules(tmp_path):
         csv.write_text(text)
         with pytest.raises(ValueError, match=match):
             read_order(csv, 2)
+
+
+def test_saved_tensor_tracker_counts_each_microbatch_until_its_backward():
+    import torch
+
+    from labkit.memory import SavedTensorTracker, byte_range, union_length
+    from labkit.workload import TimedBlock
+
+    class Stage:  # what the tracker reads of a PipelineStage
+        def __init__(self, module, index):
+            self.submod, self.stage_index = module, index
+
+    block = TimedBlock(16, 0.0, 0.0, 0.0, "sleep")
+    tracker = SavedTensorTracker([Stage(block, 0)])
+    batch = torch.randn(8, 16)
+    outs = [block(chunk) for chunk in batch.chunk(4)]          # views of one batch: 2 x 16 floats each
+    assert tracker.peak() == {0: 4 * 2 * 16 * 4}               # each view counts its own bytes, not the batch's
+    outs[0].sum().backward()
+    assert tracker.events[-1][2] == 3 * 2 * 16 * 4             # freed by its backward
+    for o in outs[1:]:
+        o.sum().backward()
+    assert tracker.events[-1][2] == 0 and all(e[3] is None for e in tracker.events)  # CPU: no allocator reading
+    t = torch.randn(4, 6)
+    s, a, b = byte_range(t)
+    s2, a2, b2 = byte_range(t.T)
+    assert s == s2 and union_length([(a, b), (a2, b2)]) == 4 * 6 * 4  # a transpose is the same memory
+    assert union_length([(0, 8), (4, 12), (20, 24)]) == 16

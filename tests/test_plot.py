@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import matplotlib
 
 matplotlib.use("Agg")
@@ -59,10 +60,15 @@ def test_plot_timeline_by_rank():
     tl = simulate("1F1B", 3, 4)
     fig, ax = _ax()
     artists = plot_timeline(ax, tl)
-    bars = [a for a in artists if isinstance(a, Collection)]
-    assert len(bars) == 3 * 2  # one broken_barh per (rank, kind)
-    labels = [a for a in artists if isinstance(a, Text) and a.get_text().isdigit()]
-    assert len(labels) == len(tl.actions)  # every bar is wide enough at this size
+    collections = [a for a in artists if isinstance(a, Collection)]
+    idle = [c for c in collections if c.get_hatch()]
+    bars = [c for c in collections if not c.get_hatch()]
+    assert len(bars) == 3 * 2 and len(idle) == 3  # one broken_barh per (rank, kind); one hatched idle band per rank
+    labels = [a for a in artists if isinstance(a, Text) and re.fullmatch(r"\d+[FBIW]\d+", a.get_text())]
+    assert sorted(t.get_text() for t in labels) == sorted(f"{a.stage}{a.kind}{a.microbatch}" for a in tl.actions)
+    m = tl.metrics()
+    shares = [a.get_text() for a in artists if isinstance(a, Text) and a.get_text().startswith(" idle ")]
+    assert shares == [f" idle {m['idle'][str(r)] / m['makespan']:.0%}" for r in range(3)]
     assert all(a.axes is ax for a in bars)
     lo, hi = ax.get_ylim()
     assert lo > hi  # row 0 (rank 0) on top
@@ -80,7 +86,7 @@ def test_plot_timeline_by_stage_and_options():
                             legend=False)
     assert [t.get_text() for t in ax.get_yticklabels()] == [
         "stage 0 (rank 0)", "stage 1 (rank 1)", "stage 2 (rank 1)", "stage 3 (rank 0)"]
-    assert not [a for a in artists if isinstance(a, Text) and a.get_text().isdigit()]
+    assert not [a for a in artists if isinstance(a, Text) and re.fullmatch(r"\d+([FBIW]\d+)?", a.get_text())]
     assert ax.get_title() == "ZBV"
     colors = {tuple(c.get_facecolor()[0]) for c in artists if isinstance(c, Collection)}
     expected = {matplotlib.colors.to_rgba(KIND_COLORS[k]) for k in "FIW"}
@@ -95,7 +101,7 @@ def test_plot_measured_timeline_in_seconds():
     artists = plot_timeline(ax, tl)
     assert ax.get_xlabel() == "time (s)"
     assert ax.get_xlim()[0] == 0 and ax.get_xlim()[1] < 1.0  # shifted to the first action
-    send = [c for c in artists if isinstance(c, Collection)
+    send = [c for c in artists if isinstance(c, Collection) and len(c.get_facecolor())
             and tuple(c.get_facecolor()[0]) == matplotlib.colors.to_rgba(KIND_COLORS["SEND"])]
     assert len(send) == 1
     assert bubble_summary(tl) in ax.get_title()

@@ -297,6 +297,13 @@ class Ranks:
             raise RanksError("No cell has run on this pool yet.")
         return self.run_dir / "cells" / f"{n:03d}"
 
+    def events(self, cell: int | None = None):
+        """The parsed PP log lines (`labkit.logs.Event`s) of a cell (the last by default), for
+        `labkit.logs.explain_idle` and anything else that reads the lines themselves."""
+        from ..logs import parse_files
+
+        return parse_files(sorted(self.cell_dir(cell).glob("rank*.log")))
+
     def timeline(self, cell: int | None = None):
         """The measured `Timeline` of a cell's PP logs (the last cell by default), waits taken out."""
         from ..compare import load_timeline

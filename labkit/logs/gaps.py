@@ -1,0 +1,133 @@
+"""Where a measured step's idle time went, from the same log lines its timeline is built from.
+
+A rank is idle whenever it is not computing. `explain_idle` gives every idle moment of every rank
+one cause:
+
+- **fill / drain**: before the rank's first compute action or after its last: the pipeline's ramp,
+  which every schedule has (its ideal bubble is mostly this);
+- **waiting for a neighbour**: the next action needs a tensor from another rank (an activation for a
+  forward, a gradient for a backward), and the log says that rank sent it (`Sending tensor` /
+  `Sending gradient`) only at the end of the wait. The neighbour was not ready, by the schedule's
+  design or because of its own delays;
+- **sends and receives**: time inside the multi-stage runtime's SEND / RECV actions (posting them,
+  or a blocking send waiting for the peer to receive);
+- **runtime overhead**: the input was already there (or comes from this rank): the runtime's own
+  work between two actions (Python, bookkeeping, launching the next one), and on a machine with
+  fewer cores than ranks, waiting for a core.
+
+The causes are read from the logs, so they share the logs' limits (a line is written when the
+runtime gets to it; see notebook 06). `IdleReport.text()` says it in words; notebooks 05 and 06 use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..timeline import Action, Timeline
+from .intervals import _by_rank, _send_times, to_timeline
+from .messages import Event
+
+CAUSES = ("fill / drain", "waiting for a neighbour", "sends and receives", "runtime overhead")
+
+
+@dataclass
+class IdleReport:
+    makespan: float
+    idle: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Per rank, seconds idle per cause (`CAUSES`)."""
+    gaps: dict[int, int] = field(default_factory=dict)
+    """Per rank, how many gaps between two compute actions it had (for per-action overhead)."""
+    cores: int | None = None
+    ranks_per_machine: int | None = None
+
+    def share(self, rank: int, cause: str | None = None) -> float:
+        """Idle share of the makespan for `rank` (one cause, or all)."""
+        causes = self.idle[rank]
+        total = causes[cause] if cause else sum(causes.values())
+        return total / self.makespan if self.makespan > 0 else 0.0
+
+    def total(self, cause: str | None = None) -> float:
+        """Idle share of ranks x makespan (the bubble fraction, when `cause` is None)."""
+        if not self.idle or self.makespan <= 0:
+            return 0.0
+        return sum(self.share(r, cause) for r in self.idle) / len(self.idle)
+
+    def text(self) -> str:
+        lines = [f"idle {self.total():.1%} of ranks x makespan; per cause, share of the step:"]
+        for cause in CAUSES:
+            lines.append(f"  {cause:24s} {self.total(cause):6.1%}   per rank: "
+                         + ", ".join(f"{r}: {self.share(r, cause):.1%}" for r in sorted(self.idle)))
+        overhead = sum(c["runtime overhead"] for c in self.idle.values())
+        n_gaps = sum(self.gaps.values())
+        if n_gaps:
+            lines.append(f"  runtime overhead: {1000 * overhead / n_gaps:.2f} ms per gap between two actions "
+                         f"({n_gaps} gaps)")
+        if self.cores is not None and self.ranks_per_machine is not None and self.ranks_per_machine > self.cores:
+            lines.append(f"  {self.ranks_per_machine} ranks shared {self.cores} cores: part of every cause above is "
+                         f"waiting for a core")
+        return "\n".join(lines)
+
+
+def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of [lo, hi] covered by the union of `intervals`."""
+    pieces = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, end = 0.0, lo
+    for a, b in pieces:
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def _needs_from(a: Action, n_stages: int) -> tuple[str, int] | None:
+    """(family, receiving stage) of the tensor action `a` waits for, or None (first forward, last backward)."""
+    if a.kind == "F":
+        return ("F", a.stage) if a.stage > 0 else None
+    if a.kind in ("B", "I"):
+        return ("B", a.stage) if a.stage < n_stages - 1 else None
+    return None  # W needs nothing from another rank
+
+
+def explain_idle(events: list[Event], cores: int | None = None, ranks_per_machine: int | None = None,
+                 timeline: Timeline | None = None) -> IdleReport:
+    """Every rank's idle time in one step, by cause (module docstring). `events`: the step's parsed
+    log lines (one step; a multi-step run: pass one step's events). `cores` / `ranks_per_machine`:
+    say so when ranks outnumbered cores. `timeline`: the split-waits timeline of these events, if
+    already built."""
+    tl = timeline if timeline is not None else to_timeline(events, waits="split")
+    comp = tl.compute()
+    report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine)
+    if not comp:
+        return report
+    start, end = min(a.start for a in comp), max(a.end for a in comp)
+    report.makespan = end - start
+    sent = _send_times(_by_rank(events))
+    n_stages = max(a.stage for a in comp) + 1
+    for rank in sorted({a.rank for a in comp}):
+        mine = sorted((a for a in comp if a.rank == rank), key=lambda a: (a.start, a.end))
+        comm = [(a.start, a.end) for a in tl.actions if a.rank == rank and a.kind in ("SEND", "RECV")]
+        causes = dict.fromkeys(CAUSES, 0.0)
+        causes["fill / drain"] = (mine[0].start - start) + (end - max(a.end for a in mine))
+        gaps = 0
+        busy_until = mine[0].end
+        for a in mine[1:]:
+            g0, g1 = busy_until, a.start
+            busy_until = max(busy_until, a.end)
+            if g1 <= g0:
+                continue
+            gaps += 1
+            wait = 0.0
+            need = _needs_from(a, n_stages)
+            if need is not None:
+                ts = [t for t in sent.get((need[0], need[1], a.microbatch), []) if t <= a.end]
+                if ts and ts[-1] > g0:
+                    wait = min(ts[-1], g1) - g0
+            rest_start = g0 + wait
+            in_comm = _covered(comm, rest_start, g1)
+            causes["waiting for a neighbour"] += wait
+            causes["sends and receives"] += in_comm
+            causes["runtime overhead"] += (g1 - rest_start) - in_comm
+        report.idle[rank] = causes
+        report.gaps[rank] = gaps
+    return report

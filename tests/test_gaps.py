@@ -1,0 +1,34 @@
+"""labkit.logs.gaps on real +pp logs: every idle moment gets exactly one cause."""
+
+from pathlib import Path
+
+import pytest
+
+from labkit.logs import CAUSES, explain_idle, parse_run_dir, to_timeline
+
+FIXTURES = Path(__file__).parent / "fixtures" / "pplogs"
+ONE_STEP = sorted(d for d in FIXTURES.glob("*/*") if (d / "logs").is_dir() and "-" in d.name
+                  and not d.name.startswith(("steps2_", "default_")))
+
+
+@pytest.mark.parametrize("run", ONE_STEP, ids=[f"{d.parent.name}/{d.name}" for d in ONE_STEP])
+def test_the_causes_partition_the_bubble(run):
+    events = parse_run_dir(run)
+    tl = to_timeline(events, waits="split")
+    report = explain_idle(events)
+    assert report.total() == pytest.approx(tl.metrics()["bubble_fraction"], abs=1e-9)
+    m = tl.metrics()
+    for rank, causes in report.idle.items():
+        assert set(causes) == set(CAUSES) and all(v >= -1e-12 for v in causes.values()), causes
+        assert sum(causes.values()) == pytest.approx(m["idle"][str(rank)], abs=1e-9)
+
+
+def test_gpipe_waits_are_fill_drain_and_neighbours():
+    run = FIXTURES / "2.13.0" / "GPipe-p2-m4"
+    report = explain_idle(parse_run_dir(run), cores=2, ranks_per_machine=4)
+    # GPipe on 2 ranks: rank 1 starts after rank 0's first forward and ends before its last backward
+    # (fill / drain); rank 0 waits between its forwards and backwards for rank 1's gradients
+    assert report.share(0, "fill / drain") == 0 and report.share(1, "fill / drain") > 0.2
+    assert report.share(0, "waiting for a neighbour") > 0.05 and report.share(1, "waiting for a neighbour") == 0
+    text = report.text()
+    assert "waiting for a neighbour" in text and "4 ranks shared 2 cores" in text and "ms per gap" in text
