@@ -79,8 +79,9 @@ PRESETS: dict[str, ModelPreset] = {
     # A step well under a second with 2 ranks on 2 CPU cores.
     "small": ModelPreset(dim=64, n_layers=8, n_heads=4, vocab_size=256, batch_size=8, seq_len=32,
                          note="CPU laptops and CI"),
-    # Even smaller, for test suites that launch many jobs.
-    "tiny": ModelPreset(dim=32, n_layers=8, n_heads=2, vocab_size=64, batch_size=8, seq_len=8,
+    # Even smaller, for test suites that launch many jobs (batch 8, seq 16: never the same size, so a
+    # shape always says which dimension is which).
+    "tiny": ModelPreset(dim=32, n_layers=8, n_heads=2, vocab_size=64, batch_size=8, seq_len=16,
                         note="test suites"),
     # The official tutorial's sizes: ~55 s per step on 2 CPU cores, meant for GPUs.
     "tutorial": ModelPreset(dim=512, n_layers=8, n_heads=8, vocab_size=10000, batch_size=32, seq_len=500,

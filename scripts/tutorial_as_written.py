@@ -37,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 SIZES = {  # added: (dim, n_layers, n_heads, vocab_size, batch, seq), the kit's presets
     "tutorial": (512, 8, 8, 10000, 32, 500),
     "small": (64, 8, 4, 256, 8, 32),
-    "tiny": (32, 8, 2, 64, 8, 8),
+    "tiny": (32, 8, 2, 64, 8, 16),
 }
 
 

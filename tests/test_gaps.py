@@ -32,3 +32,18 @@ def test_gpipe_waits_are_fill_drain_and_neighbours():
     assert report.share(0, "waiting for a neighbour") > 0.05 and report.share(1, "waiting for a neighbour") == 0
     text = report.text()
     assert "waiting for a neighbour" in text and "4 ranks shared 2 cores" in text and "ms per gap" in text
+
+
+def test_the_tutorials_own_run_as_notebook_06_reads_it():
+    """tests/fixtures/tutorial_run: the official tutorial's program, one step on 2 CPU ranks."""
+    from labkit.logs import parse_files
+    from labkit.theory import closed_form_bubble
+
+    events = parse_files(sorted((FIXTURES.parent / "tutorial_run").glob("rank*.log")))
+    tl = to_timeline(events, waits="split")
+    assert tl.counts() == {(s, k): 4 for s in (0, 1) for k in ("F", "B")}
+    report = explain_idle(events)
+    assert report.total() == pytest.approx(tl.metrics()["bubble_fraction"]) and report.total() > closed_form_bubble(2, 4) + 0.05
+    assert report.share(1, "fill / drain") > 0.25 and report.share(0, "waiting for a neighbour") > 0.2
+    forwards = [a.duration for a in sorted(tl.compute(), key=lambda a: a.start) if a.rank == 0 and a.kind == "F"]
+    assert forwards[0] > 2 * max(forwards[1:])

@@ -9,7 +9,7 @@ def stage1_of_4() -> list[str]:
 
 def activation_shape(cfg, n_microbatches: int) -> tuple:
     """Exercise 2: a microbatch holds batch_size // n_microbatches sequences (8 // 2 = 4). After the
-    embedding, the kit's batch layout transposes to (seq, batch, dim): (8, 4, 32) for the tiny preset."""
+    embedding, the kit's batch layout transposes to (seq, batch, dim): (16, 4, 32) for the tiny preset."""
     p = cfg.model
     return (p.seq_len, cfg.batch_size // n_microbatches, p.dim)
 
