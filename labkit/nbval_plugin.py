@@ -17,12 +17,14 @@ NEEDS_TORCH = re.compile(r"^# NEEDS_TORCH (\d+)\.(\d+)\s*$", re.MULTILINE)
 
 
 def pytest_collection_modifyitems(config, items):
+    marked = [(item, hit) for item in items  # nbval's cell items carry the cell
+              if (hit := NEEDS_TORCH.search(getattr(getattr(item, "cell", None), "source", "") or ""))]
+    if not marked:
+        return  # nothing to decide: torch is not even imported
     from labkit import versions
 
     have = versions.installed()
-    for item in items:
-        cell = getattr(item, "cell", None)  # nbval's cell items
-        hit = NEEDS_TORCH.search(getattr(cell, "source", "") or "")
-        if hit and have < (int(hit[1]), int(hit[2])):
+    for item, hit in marked:
+        if have < (int(hit[1]), int(hit[2])):
             item.add_marker(pytest.mark.skip(
                 reason=f"needs torch >= {hit[1]}.{hit[2]} (this is {versions.text(have)}): what that release added"))
