@@ -46,6 +46,11 @@ def union_length(ranges) -> int:
     return total
 
 
+def param_storages(module) -> set[int]:
+    """The storages of a module's parameters: what saved-tensor counting leaves out (not activations)."""
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
 def saved_activation_bytes(module, *inputs) -> int:
     """Bytes autograd saves for the backward during one forward of `module` on `inputs`.
 
@@ -55,7 +60,7 @@ def saved_activation_bytes(module, *inputs) -> int:
     """
     import torch
 
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = param_storages(module)
     seen: dict[int, set] = {}
 
     def pack(t):
@@ -124,7 +129,7 @@ class SavedTensorTracker:
 
     def _wrap(self, module, stage: int) -> None:
         torch = self._torch
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        params = param_storages(module)
         original = module.forward
         tracker = self
 

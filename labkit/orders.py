@@ -161,29 +161,28 @@ def peak_in_flight(order) -> dict[int, int]:
     saved inputs). `order` is a Timeline or `{rank: [(kind, stage, microbatch), ...]}`; a stage's
     actions run one after another on its rank, so the order alone decides the count.
     """
-    held: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    for acts in normalize_order(order).values():
-        for kind, stage, _mb in acts:
-            if kind == "F":
-                held[stage] = held.get(stage, 0) + 1
-            elif kind in ("B", "W"):
-                held[stage] = held.get(stage, 0) - 1
-            peak[stage] = max(peak.get(stage, 0), held.get(stage, 0))
-    return dict(sorted(peak.items()))
+    return _peak_held(order, lambda rank, stage: stage)
 
 
 def rank_peak_in_flight(order) -> dict[int, int]:
     """Per rank, the most (stage, microbatch) activations held at once over all of the rank's stages
     (the per-stage counts of `peak_in_flight` may peak at different times). What torch 2.15's
     `analyze_pipeline_activation_liveness` computes, as `labkit.memory.torch_liveness` asks it."""
+    return _peak_held(order, lambda rank, stage: rank)
+
+
+_HOLDS = {"F": 1, "B": -1, "W": -1}  # a forward keeps a microbatch's activations; B, or W when split, frees them
+
+
+def _peak_held(order, group) -> dict[int, int]:
+    """The most microbatches held at once per `group(rank, stage)`, walking each rank's order."""
+    held: dict[int, int] = {}
     peak: dict[int, int] = {}
     for rank, acts in normalize_order(order).items():
-        held = 0
-        peak[rank] = 0
-        for kind, _stage, _mb in acts:
-            held += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
-            peak[rank] = max(peak[rank], held)
+        for kind, stage, _mb in acts:
+            key = group(rank, stage)
+            held[key] = held.get(key, 0) + _HOLDS.get(kind, 0)
+            peak[key] = max(peak.get(key, 0), held[key])
     return dict(sorted(peak.items()))
 
 
