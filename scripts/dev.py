@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
-"""Set-up and everyday commands for PP Lab, on a machine that has only python3 and pip.
+"""Set-up and everyday commands for PP Lab, on a machine that has only python3 (3.11+) and pip.
 
-    python3 scripts/dev.py lab        # create .venv, install torch + the kit, start JupyterLab on notebooks/
+    python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
+    python3 scripts/dev.py lock       # refresh requirements/lab-torch*.txt (uv pip compile; needs the registry)
 
-Torch: the kit supports 2.11 to 2.15. An existing torch >= 2.11 in .venv is kept (install a CUDA
-build there first on GPU nodes); otherwise `torch==2.15.0`, the newest supported, is installed
-(override with PPLAB_TORCH, e.g. PPLAB_TORCH="torch==2.13.0"). `test` then builds a second
-environment, .venv-torch2.11, for the other end of the range (PPLAB_OTHER_TORCH overrides it;
-`test --one-torch` skips that leg).
-This file uses only the standard library: it must run before anything is installed.
+Environment: `requirements/lab-torch2.15.txt`, a lock of every package at versions tested together
+(scripts/envsetup.py installs it). A supported torch (2.11 to 2.15) already in .venv is kept (install
+a CUDA build there first on GPU nodes); PPLAB_TORCH="torch==X ..." chooses another; when pip's own
+configuration caps torch below the lock, the newest supported torch it allows is installed and that
+is said in one line. `test` then builds .venv-torch2.11 from `requirements/lab-torch2.11.txt` for the
+other end of the range (`test --one-torch` skips that leg). Any failing set-up step ends with one
+message (step, command, fix) and exit code 3.
+This file and envsetup.py use only the standard library: they run before anything is installed.
 """
 
 from __future__ import annotations
@@ -22,19 +25,17 @@ import os
 import shutil
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envsetup  # noqa: E402  (beside this file)
+from envsetup import SetupError, lock_path, vpython  # noqa: E402
+
+ROOT = envsetup.ROOT
 VENV = Path(os.environ.get("PPLAB_VENV", ROOT / ".venv"))
-DEFAULT_TORCH = "torch==2.15.0"  # the newest the kit supports (labkit/versions.py), what `pip install torch` gives
-OTHER_END_TORCH = "torch==2.11.0"  # the oldest it supports (the GPU machines' torch)
-MIN_TORCH = (2, 11)  # = labkit.versions.SUPPORTED[0]; this file cannot import labkit before it is installed
+MAIN_TORCH = (2, 15)   # the lock of .venv: the newest the kit supports, what `pip install torch` gives
+OTHER_END = (2, 11)    # the oldest it supports (the GPU machines' torch): dev.py test's second leg
 OTHER_END_TESTS = ("tests/test_versions.py", "tests/test_pplog.py", "tests/test_reference_runs.py", "notebooks")
-
-
-def vpython(venv: Path = VENV) -> Path:
-    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
 def sh(*cmd, **kw) -> None:
@@ -42,45 +43,31 @@ def sh(*cmd, **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
-def torch_version(venv: Path = VENV) -> tuple[int, int] | None:
-    r = subprocess.run([str(vpython(venv)), "-c", "import torch; print(torch.__version__)"],
-                       capture_output=True, text=True)
-    if r.returncode:
-        return None
-    major, minor = r.stdout.strip().split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+def setup(venv_dir: Path = VENV, torch_minor: tuple[int, int] = MAIN_TORCH, keep_torch: bool = True) -> str:
+    """The environment from the lock of `torch_minor` (scripts/envsetup.py); returns torch's version."""
+    torch_spec = os.environ.get("PPLAB_TORCH") if venv_dir == VENV else os.environ.get("PPLAB_OTHER_TORCH")
+    version = envsetup.setup(venv_dir, lock_path(torch_minor), keep_torch=keep_torch, torch_spec=torch_spec)
+    print(f"set-up done: {venv_dir.name} has torch {version}", flush=True)
+    return version
 
 
-def spec_version(spec: str) -> tuple[int, int] | None:
-    """(2, 11) for 'torch==2.11.0 --index-url ...'; None when the spec pins no version."""
-    pin = spec.split()[0].partition("==")[2]
-    return tuple(int(x) for x in pin.split(".")[:2]) if pin else None
-
-
-def setup(extras: str = "lab,test", venv_dir: Path = VENV, torch_spec: str | None = None) -> None:
-    """A virtual environment with torch and the kit (editable). With `torch_spec`, torch is that one
-    exactly (reinstalled if another is there); without, a supported torch already there is kept."""
-    if not vpython(venv_dir).exists():
-        print(f"creating virtual environment {venv_dir}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(venv_dir)
-    have = torch_version(venv_dir)
-    if torch_spec is not None:
-        want = spec_version(torch_spec)
-        install = have is None or (want is not None and have != want)
-    else:
-        torch_spec = os.environ.get("PPLAB_TORCH", DEFAULT_TORCH)
-        install = have is None or have < MIN_TORCH
-    if install:
-        # torch first and pinned, so that the kit's `torch>=2.11` is already met.
-        sh(vpython(venv_dir), "-m", "pip", "install", "--disable-pip-version-check", *torch_spec.split())
-    sh(vpython(venv_dir), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", f"{ROOT}[{extras}]")
+def lab_command(venv_dir: Path) -> list[str]:
+    """JupyterLab on notebooks/, listening on 127.0.0.1 only (a remote node is reached through an SSH
+    tunnel, README), with no update check; the news prompt is off in the venv's settings overrides."""
+    return [str(vpython(venv_dir)), "-m", "jupyterlab", "--notebook-dir", str(ROOT / "notebooks"),
+            "--ip", "127.0.0.1", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
 
 
 def lab(argv: list[str]) -> int:
+    """`dev.py lab [--port N] [--no-browser] [any JupyterLab option]`."""
+    if any(a == "--ip" or a.startswith("--ip=") for a in argv):
+        print("dev.py lab: JupyterLab listens on 127.0.0.1 only; reach a remote node with an SSH tunnel "
+              "(README, 'A lab on a remote node') instead of --ip", file=sys.stderr)
+        return 2
     setup()
-    sh(vpython(), "-m", "labkit", "doctor")
+    sh(vpython(VENV), "-m", "labkit", "doctor")
     (ROOT / "notebooks").mkdir(exist_ok=True)
-    args = [str(vpython()), "-m", "jupyterlab", "--notebook-dir", str(ROOT / "notebooks"), "--ip", "127.0.0.1"]
+    args = lab_command(VENV)
     if os.name == "posix" and os.geteuid() == 0:
         args.append("--allow-root")  # containers and workshop VMs often run as root; Jupyter refuses without it
     args += argv
@@ -107,13 +94,13 @@ def ensure_browser() -> None:
     else:
         print("browser test: chromium is missing and apt-get cannot be used here (needs root on Debian/Ubuntu); "
               "tests/test_browser.py will be skipped. Install chromium to run it.", flush=True)
-    have = subprocess.run([str(vpython()), "-c", "import playwright"], capture_output=True).returncode == 0
+    have = subprocess.run([str(vpython(VENV)), "-c", "import playwright"], capture_output=True).returncode == 0
     if have:
         print("browser test: playwright already installed", flush=True)
         return
     print("browser test: installing playwright (Python package only; the browser is the system chromium)", flush=True)
     try:
-        sh(vpython(), "-m", "pip", "install", "--disable-pip-version-check", "-q", "playwright")
+        sh(vpython(VENV), "-m", "pip", "install", "--disable-pip-version-check", "-q", "playwright")
     except (subprocess.CalledProcessError, OSError) as e:
         print(f"browser test: could not install playwright ({e}); tests/test_browser.py will be skipped", flush=True)
 
@@ -128,25 +115,25 @@ def pytest(venv_dir: Path, paths, argv: list[str]) -> int:
 
 
 def test(argv: list[str]) -> int:
-    """The whole suite on .venv's torch (2.15 by default), then, unless `--one-torch`, the version-
-    dependent part (torch's API table, the log parser, the reference runs, every notebook) on the
-    other end of the supported range, in .venv-torch2.11. Fails if either leg fails."""
+    """The whole suite on .venv's torch (2.15 from the lock, or what a cap allows), then, unless
+    `--one-torch`, the version-dependent part (torch's API table, the log parser, the reference runs,
+    every notebook) on the other end of the supported range, in .venv-torch2.11. Fails if either leg fails."""
     one_torch = "--one-torch" in argv
     argv = [a for a in argv if a != "--one-torch"]
-    setup()
+    main_torch = setup()
     ensure_browser()
     main_rc = pytest(VENV, ("tests", "notebooks"), argv)
+    verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731
     if one_torch:
+        print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}", flush=True)
         return main_rc
-    other_spec = os.environ.get("PPLAB_OTHER_TORCH", OTHER_END_TORCH)
-    want = spec_version(other_spec)
-    other_venv = ROOT / f".venv-torch{want[0]}.{want[1]}" if want else ROOT / ".venv-other-torch"
-    print(f"\n== the other end of the supported range: {other_spec} in {other_venv.name} ==", flush=True)
-    setup(venv_dir=other_venv, torch_spec=other_spec)
+    other_venv = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
+    print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {other_venv.name} ==",
+          flush=True)
+    other_torch = setup(other_venv, OTHER_END, keep_torch=False)
     other_rc = pytest(other_venv, OTHER_END_TESTS, argv)
-    print(f"\nwhole suite on torch {torch_version()}: {'passed' if main_rc == 0 else f'FAILED (pytest exit {main_rc})'}; "
-          f"{', '.join(OTHER_END_TESTS)} on torch {torch_version(other_venv)}: "
-          f"{'passed' if other_rc == 0 else f'FAILED (pytest exit {other_rc})'}", flush=True)
+    print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}; "
+          f"{', '.join(OTHER_END_TESTS)} on torch {other_torch}: {verdict(other_rc)}", flush=True)
     return main_rc or other_rc
 
 
@@ -155,24 +142,36 @@ def handouts(argv: list[str]) -> int:
     widgets as text, and PDFs printed by Chromium when present. `--execute` runs the notebooks again
     first (the committed outputs are used otherwise); names of notebooks limit it to those."""
     setup()
-    return subprocess.run([str(vpython()), str(ROOT / "scripts" / "handouts.py"), *argv], cwd=ROOT).returncode
+    return subprocess.run([str(vpython(VENV)), str(ROOT / "scripts" / "handouts.py"), *argv], cwd=ROOT).returncode
 
 
 def bench(argv: list[str]) -> int:
     """The benchmarks: bench/results.json and bench/RESULTS.md (see scripts/bench.py)."""
     setup()
-    return subprocess.run([str(vpython()), str(ROOT / "scripts" / "bench.py"), *argv], cwd=ROOT).returncode
+    return subprocess.run([str(vpython(VENV)), str(ROOT / "scripts" / "bench.py"), *argv], cwd=ROOT).returncode
+
+
+COMMANDS = ("lab", "test", "setup", "handouts", "bench", "lock")
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("lab", "test", "setup", "handouts", "bench"):
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "setup":
-        setup()
-        return 0
-    return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
+    try:
+        if cmd == "setup":
+            setup()
+            return 0
+        if cmd == "lock":
+            return envsetup.lock(ROOT / ".venv-tools")
+        return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
+    except SetupError as e:
+        print(f"\ndev.py {cmd}: {e}", file=sys.stderr, flush=True)
+        return 3
+    except KeyboardInterrupt:
+        print(f"\ndev.py {cmd}: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,398 @@
+"""The lab's environment: installed from the lock files, surviving a pip cap, failing with one message.
+
+Owns how `scripts/dev.py` builds a virtual environment (standard library only: it runs before
+anything is installed):
+
+- the locks, `requirements/lab-torch<X.Y>.txt`, made by `uv pip compile` from pyproject.toml (extras
+  lab, test) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
+  main environment `.venv` gets torch 2.15.0's lock, `dev.py test`'s second leg torch 2.11.0's.
+- torch and the packages only torch needs ("the torch family": CUDA libraries, triton, sympy, ...) are
+  installed apart from the rest, so that another torch can stand in for the locked one: a torch
+  already in the venv (GPU nodes put a CUDA build there first), `PPLAB_TORCH`, or the newest
+  supported torch that pip's configuration allows when it caps torch below the lock (a `constraint`
+  in `pip config list`, as managed laptops and workshop images have). That case is said in one line.
+- every failing step ends in `SetupError`: the step, the command, what pip said, and the fix; dev.py
+  prints it and exits 3, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import venv as venv_mod
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIREMENTS = ROOT / "requirements"
+MIN_PYTHON = (3, 11)  # torch 2.15.0 publishes wheels for 3.11+ only; the lock is resolved for 3.11+
+SUPPORTED_TORCH = ((2, 11), (2, 15))  # = labkit.versions.SUPPORTED; this file cannot import labkit
+SUPPORTED_RANGE = "torch>=2.11,<2.16"
+EXTRAS = "lab,test"
+
+
+class SetupError(Exception):
+    """A set-up step failed: `str()` is the whole message a user sees (no traceback)."""
+
+    def __init__(self, step: str, fix: str, command: list[str] | None = None, said: str = ""):
+        self.step, self.fix, self.command, self.said = step, fix, command, said
+        lines = [f"set-up failed at step '{step}'."]
+        if command:
+            lines.append("  command: " + " ".join(map(str, command)))
+        if said:
+            lines.append("  it said: " + said)
+        lines.append("  fix: " + fix)
+        lines.append("  Then run the same dev.py command again: finished steps are skipped.")
+        super().__init__("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------- locks
+@dataclass
+class Pin:
+    name: str          # normalised (lower case, '-' for '_' and '.')
+    line: str          # the requirement as written in the lock: 'torch==2.15.0 ; sys_platform == ...'
+    version: str
+    via: list[str] = field(default_factory=list)  # what asked for it ('torch', 'labkit (pyproject.toml)', '-r ...')
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_path(torch_minor: tuple[int, int]) -> Path:
+    return REQUIREMENTS / f"lab-torch{torch_minor[0]}.{torch_minor[1]}.txt"
+
+
+def read_lock(path: Path) -> dict[str, list[Pin]]:
+    """name -> its pins (a package can have two, one per Python version marker) of a `uv pip compile`
+    lock with its `# via` annotations."""
+    pins: dict[str, list[Pin]] = {}
+    current: Pin | None = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if not line.startswith("#"):
+            m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;]+)", line)
+            if not m:
+                raise SetupError("read the lock", f"{path} has a line that is not 'name==version': {line!r}; "
+                                 "refresh the lock with `python3 scripts/dev.py lock`")
+            current = Pin(norm(m.group(1)), line, m.group(3))
+            pins.setdefault(current.name, []).append(current)
+        elif current is not None:
+            text = line.lstrip("#").strip()
+            if text.startswith("via "):
+                current.via.append(text[4:].strip())
+            elif text and text != "via":
+                current.via.append(text)
+    return pins
+
+
+def torch_family(pins: dict[str, list[Pin]]) -> set[str]:
+    """torch and every package that is in the lock only because torch (or another of these) needs it:
+    what changes with the torch release. The rest of the lock fits any supported torch."""
+    family = {"torch"}
+    changed = True
+    while changed:
+        changed = False
+        for name, entries in pins.items():
+            if name in family:
+                continue
+            vias = {norm(v.split(" ")[0]) for p in entries for v in p.via}
+            if vias and vias <= family:
+                family.add(name)
+                changed = True
+    return family
+
+
+def locked_torch(pins: dict[str, list[Pin]]) -> str:
+    return pins["torch"][0].version
+
+
+# ------------------------------------------------------------------------------------ running pip
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def classify(output: str) -> tuple[str, str]:
+    """(the line that says what went wrong, the fix) from a failed pip's output."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+
+    def find(*needles: str) -> str | None:
+        for ln in reversed(lines):
+            if any(n.lower() in ln.lower() for n in needles):
+                return ln
+        return None
+
+    if said := find("No space left on device", "Errno 28"):
+        return said, ("free disk space (the environment needs about 6 GB on Linux, where torch's wheel is a CUDA "
+                      "build), or put the environment on a disk with room: PPLAB_VENV=/big/disk/pplab-venv")
+    if said := find("Failed to establish a new connection", "Temporary failure in name resolution",
+                    "Name or service not known", "Network is unreachable", "Connection refused",
+                    "Read timed out", "ProxyError", "Could not fetch URL", "SSLError", "ConnectTimeout"):
+        return said, ("the package index could not be reached: check the network connection (or HTTPS_PROXY), "
+                      "or point pip at a mirror (PIP_INDEX_URL=https://mirror/simple)")
+    if said := find("(from versions: none)"):
+        return said, ("pip saw no release at all: the package index could not be reached (check the network "
+                      "connection or HTTPS_PROXY, or point pip at a mirror: PIP_INDEX_URL=https://mirror/simple) "
+                      "or it has no such package")
+    if said := find("requires a different Python", "Requires-Python"):
+        return said, (f"use Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or newer: "
+                      f"python{MIN_PYTHON[0]}.{MIN_PYTHON[1]} scripts/dev.py ...")
+    if said := find("ResolutionImpossible", "conflict is caused by", "Could not find a version that satisfies",
+                    "No matching distribution found", "(constraint)"):
+        return said, ("pip refused a package: a pin in your pip configuration (`pip config list`: constraint, "
+                      "index-url) or an index without it. Raise or remove that pin, or choose the torch "
+                      "yourself: PPLAB_TORCH='torch==2.13.0'")
+    tail = lines[-1] if lines else "(no output)"
+    return tail, "read pip's output above; fix what it names"
+
+
+def _stream(cmd: list[str], env: dict | None, cwd: Path | None, quiet: bool) -> tuple[int, str]:
+    """Run `cmd` with its output shown live (through a pseudo-terminal when ours is one, so that pip
+    draws its download progress bars); return its exit code and the tail of its output."""
+    tail: deque[str] = deque(maxlen=400)
+    use_pty = not quiet and os.name == "posix" and sys.stdout.isatty()
+    if use_pty:
+        import pty
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
+        os.close(slave)
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            buf = (buf + chunk)[-200_000:]
+        os.close(master)
+        tail.extend(buf.decode(errors="replace").replace("\r", "\n").splitlines(keepends=True))
+        return proc.wait(), "".join(tail)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, env=env, cwd=cwd, errors="replace")
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+        if not quiet:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    return proc.wait(), "".join(tail)
+
+
+def run_step(step: str, cmd: list, env: dict | None = None, quiet: bool = False, cwd: Path | None = None) -> str:
+    """Run a set-up command with its output shown live; on failure raise SetupError naming the step."""
+    cmd = [str(c) for c in cmd]
+    print("+ " + " ".join(cmd), flush=True)
+    try:
+        rc, output = _stream(cmd, env, cwd, quiet)
+    except OSError as e:
+        raise SetupError(step, f"check that {cmd[0]} exists and can run", cmd, str(e)) from None
+    if rc != 0:
+        said, fix = classify(output)
+        raise SetupError(step, fix, cmd, said)
+    return output
+
+
+def pip(vpy: Path) -> list[str]:
+    return [str(vpy), "-m", "pip", "install", "--disable-pip-version-check"]
+
+
+# ------------------------------------------------------------------------------------------ pip caps
+@dataclass
+class Cap:
+    spec: str    # 'torch<=2.14.1'
+    file: str    # the constraints file that holds it
+    where: str   # where that file is named: 'global.constraint in /etc/xdg/pip/pip.conf', 'PIP_CONSTRAINT'
+
+    def describe(self) -> str:
+        return f"{self.spec} ({self.file}, set by {self.where})"
+
+
+def constraint_settings(config_debug: str, environ: dict[str, str]) -> list[tuple[str, str]]:
+    """(constraints file, where it is set) for every constraint in pip's configuration, strongest first
+    (pip: PIP_CONSTRAINT, then PIP_CONFIG_FILE's file, then site, user, global files)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    kind, source = "", ""
+    for line in config_debug.splitlines():
+        if re.match(r"^\S.*:$", line):
+            kind = line[:-1]
+            continue
+        m = re.match(r"^  (\S.*), exists: (True|False)$", line)
+        if m:
+            source = m.group(1)
+            continue
+        m = re.match(r"^    ([\w-]+)\.constraints?:\s*(.+)$", line)
+        if m and m.group(1) in ("global", "install"):
+            for f in m.group(2).split():
+                found.setdefault(kind, []).append((f, f"{m.group(1)}.constraint in {source}"))
+    out = [(f, "PIP_CONSTRAINT") for f in environ.get("PIP_CONSTRAINT", "").split()]
+    for kind in ("env", "site", "user", "global"):
+        out += found.get(kind, [])
+    return out
+
+
+def torch_caps(settings: list[tuple[str, str]]) -> list[Cap]:
+    """The torch lines of those constraints files."""
+    caps = []
+    for file, where in settings:
+        try:
+            text = Path(file.removeprefix("file://")).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.split("#")[0].strip()
+            if re.match(r"^torch\s*([<>=!~]|$)", line):
+                caps.append(Cap(line.replace(" ", ""), file, where))
+    return caps
+
+
+def find_caps(vpy: Path) -> list[Cap]:
+    r = subprocess.run([str(vpy), "-m", "pip", "config", "debug"], capture_output=True, text=True)
+    return torch_caps(constraint_settings(r.stdout, dict(os.environ)))
+
+
+def newest_allowed_torch(vpy: Path) -> str:
+    """The newest supported torch that pip, with its own configuration (caps included), would install:
+    asked of pip's resolver itself (a dry run reading metadata only, no download of torch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [*pip(vpy), "--dry-run", "--no-deps", "--ignore-installed", "--report", str(report), SUPPORTED_RANGE]
+        try:
+            run_step("find the newest torch pip allows", cmd, quiet=True)
+        except SetupError as e:
+            caps = find_caps(vpy)
+            if caps and ("resolution" in e.said.lower() or "constraint" in e.said.lower()
+                         or "no matching distribution" in e.said.lower()):
+                raise SetupError(
+                    "find the newest torch pip allows",
+                    f"pip's configuration caps torch at {caps[0].describe()}, which allows no supported torch "
+                    f"({SUPPORTED_RANGE}): raise that cap to at least torch 2.11, or give the torch yourself "
+                    "with PPLAB_TORCH='torch==2.11.0'", cmd, e.said) from None
+            raise
+        return json.loads(report.read_text())["install"][0]["metadata"]["version"]
+
+
+# ------------------------------------------------------------------------------------------ set-up
+def vpython(venv_dir: Path) -> Path:
+    return venv_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def installed_torch(venv_dir: Path) -> str | None:
+    r = subprocess.run([str(vpython(venv_dir)), "-c", "import torch; print(torch.__version__)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def supported(version: str) -> bool:
+    v = version_tuple(version)[:2]
+    return SUPPORTED_TORCH[0] <= v <= SUPPORTED_TORCH[1]
+
+
+def check_python() -> None:
+    if sys.version_info[:2] < MIN_PYTHON:
+        need = f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}"
+        raise SetupError("check Python", f"run dev.py with Python {need} or newer (torch 2.15.0, the locked "
+                         f"release, has no wheel for {sys.version_info[0]}.{sys.version_info[1]}): "
+                         f"python{need} scripts/dev.py ...; or use the conda route (README)")
+
+
+def write_lab_settings(venv_dir: Path) -> None:
+    """JupyterLab opens on the notebooks without asking about news or checking for updates (both
+    would reach the network and cover the page with a toast): settings overrides inside the venv."""
+    target = venv_dir / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(target.read_text()) if target.exists() else {}
+    data["@jupyterlab/apputils-extension:notification"] = {"fetchNews": "false", "checkForUpdates": False}
+    target.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@dataclass
+class TorchPlan:
+    message: str                 # one line: which torch and why
+    install: list[str]           # pip arguments installing torch on its own ([] when none)
+    from_lock: bool = False      # torch and its family come from the lock with the rest
+
+
+def plan_torch(vpy: Path, pins: dict[str, list[Pin]], have: str | None, keep_torch: bool = True,
+               torch_spec: str | None = None) -> TorchPlan:
+    """Which torch to install: `torch_spec` if given (PPLAB_TORCH); else a supported torch already
+    there when `keep_torch` (or exactly the lock's when not); else the lock's, or the newest
+    supported one that pip's configuration allows when it caps torch below the lock."""
+    want = locked_torch(pins)
+    if torch_spec:
+        return TorchPlan(f"torch: {torch_spec} (PPLAB_TORCH), instead of the lock's torch=={want}",
+                         torch_spec.split())
+    if have and (supported(have) if keep_torch else version_tuple(have) == version_tuple(want)):
+        return TorchPlan(f"torch: keeping torch {have}, already installed (the lock has torch=={want})", [])
+    allowed = newest_allowed_torch(vpy)
+    if version_tuple(allowed) < version_tuple(want):
+        caps = find_caps(vpy)
+        cap = caps[0].describe() if caps else "a constraint in pip's configuration (see `pip config list`)"
+        return TorchPlan(f"torch: the lock wants torch=={want}, but pip's configuration caps it: {cap}; "
+                         f"installing torch=={allowed}, the newest supported release the cap allows",
+                         [f"torch=={allowed}"])
+    return TorchPlan(f"torch: torch=={want} from the lock", [], from_lock=True)
+
+
+def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str | None = None,
+          extras: str = EXTRAS) -> str:
+    """A virtual environment with the lock's packages and the kit (editable); returns torch's version.
+    Which torch: `plan_torch` (said in one line)."""
+    check_python()
+    vpy = vpython(venv_dir)
+    if not vpy.exists():
+        print(f"creating virtual environment {venv_dir}", flush=True)
+        try:
+            venv_mod.EnvBuilder(with_pip=True).create(venv_dir)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SetupError("create the virtual environment", "check the disk has room and the folder is "
+                             "writable, or choose another place with PPLAB_VENV=/path/to/venv",
+                             [sys.executable, "-m", "venv", str(venv_dir)], str(e)) from None
+    if not lock.exists():
+        raise SetupError("read the lock", f"{lock} is missing: refresh the locks with `python3 scripts/dev.py lock`")
+    pins = read_lock(lock)
+    plan = plan_torch(vpy, pins, installed_torch(venv_dir), keep_torch, torch_spec)
+    print(plan.message, flush=True)
+    if plan.install:
+        run_step("install torch", [*pip(vpy), *plan.install])
+    family = torch_family(pins)
+    rest = [p.line for name, entries in sorted(pins.items()) for p in entries
+            if plan.from_lock or name not in family]
+    with tempfile.TemporaryDirectory() as tmp:
+        req = Path(tmp) / "requirements.txt"
+        req.write_text("\n".join(rest) + "\n")
+        run_step(f"install the locked packages ({lock.name}) and the kit",
+                 [*pip(vpy), "-q", "-r", req, "-e", f"{ROOT}[{extras}]"])
+    write_lab_settings(venv_dir)
+    return installed_torch(venv_dir) or "?"
+
+
+# ------------------------------------------------------------------------------------ refreshing locks
+UV = "uv==0.13.9"  # the lock tool, pinned so that a refresh gives the same file format
+
+
+def lock(tools_venv: Path) -> int:
+    """Re-resolve every lock from pyproject.toml + requirements/torch-X.Y.in with uv (fetched into
+    .venv-tools), for every platform (`--universal`) and Python 3.11+."""
+    check_python()
+    if not vpython(tools_venv).exists():
+        venv_mod.EnvBuilder(with_pip=True).create(tools_venv)
+    run_step("install the lock tool", [*pip(vpython(tools_venv)), "-q", UV])
+    uv = tools_venv / ("Scripts/uv.exe" if os.name == "nt" else "bin/uv")
+    for src in sorted(REQUIREMENTS.glob("torch-*.in")):
+        minor = tuple(int(x) for x in src.stem.split("-")[1].split("."))
+        out = lock_path(minor)  # type: ignore[arg-type]
+        cmd = [uv, "pip", "compile", "pyproject.toml", src.relative_to(ROOT), "--extra", "lab", "--extra", "test",
+               "--universal", "--python-version", f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}", "--upgrade",
+               "--custom-compile-command", "python3 scripts/dev.py lock", "-o", out.relative_to(ROOT)]
+        run_step(f"lock {out.name}", cmd, env=dict(os.environ, UV_NO_CONFIG="1"), cwd=ROOT)
+    return 0

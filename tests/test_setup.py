@@ -1,0 +1,165 @@
+"""The set-up (scripts/envsetup.py, scripts/dev.py): which torch under a pip cap, and failures that end
+in one message. pip's own resolver is asked for real (metadata only: no torch is downloaded here)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import envsetup  # noqa: E402
+
+PY = Path(sys.executable)  # this environment's python has pip: pip's resolver answers for it
+
+
+def _pip_config(tmp_path: Path, constraint: str) -> dict[str, str]:
+    """An environment whose pip configuration (PIP_CONFIG_FILE) caps torch with `constraint`."""
+    cap = tmp_path / "constraints.txt"
+    cap.write_text(f"# a workshop image's pins\n{constraint}\n")
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nconstraint = {cap}\n")
+    return {"PIP_CONFIG_FILE": str(conf)}
+
+
+def test_a_cap_below_the_lock_installs_the_newest_supported_torch_it_allows(tmp_path, monkeypatch, capsys):
+    for k, v in _pip_config(tmp_path, "torch<=2.13.0").items():
+        monkeypatch.setenv(k, v)
+    pins = envsetup.read_lock(envsetup.lock_path((2, 15)))
+    plan = envsetup.plan_torch(PY, pins, have=None)
+    assert [envsetup.version_tuple(a.split("==")[1]) for a in plan.install] == [(2, 13, 0)]
+    assert not plan.from_lock
+    # one line: what it wanted, what the cap allows, where the cap is set
+    assert "\n" not in plan.message
+    for part in ("torch==2.15.0", "torch<=2.13.0", str(tmp_path / "constraints.txt"),
+                 f"global.constraint in {tmp_path / 'pip.conf'}", "torch==2.13.0"):
+        assert part in plan.message, (part, plan.message)
+
+
+def test_without_a_cap_the_lock_decides(monkeypatch):
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # pip reads no configuration file at all
+    monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
+    pins = envsetup.read_lock(envsetup.lock_path((2, 15)))
+    plan = envsetup.plan_torch(PY, pins, have=None)
+    assert plan.from_lock and plan.install == []
+    assert plan.message == "torch: torch==2.15.0 from the lock"
+
+
+def test_a_torch_already_there_is_kept_or_replaced():
+    pins = envsetup.read_lock(envsetup.lock_path((2, 11)))
+    assert envsetup.plan_torch(PY, pins, have="2.13.0+cu126").install == []          # a GPU node's build
+    plan = envsetup.plan_torch(PY, pins, have="2.13.0", keep_torch=False, torch_spec="torch==2.12.0")
+    assert plan.install == ["torch==2.12.0"] and "PPLAB_TORCH" in plan.message
+
+
+def test_cap_sources_strongest_first():
+    debug = ("env_var:\n  PIP_CONFIG_FILE='/t/pip.conf'\nenv:\n  /t/pip.conf, exists: True\n"
+             "    global.constraint: /t/a.txt\nglobal:\n  /etc/xdg/pip/pip.conf, exists: True\n"
+             "    global.constraint: /etc/xdg/pip/constraints.txt\n    global.cert: /x\n"
+             "site:\n  /v/pip.conf, exists: False\n")
+    assert envsetup.constraint_settings(debug, {"PIP_CONSTRAINT": "/e.txt"}) == [
+        ("/e.txt", "PIP_CONSTRAINT"), ("/t/a.txt", "global.constraint in /t/pip.conf"),
+        ("/etc/xdg/pip/constraints.txt", "global.constraint in /etc/xdg/pip/pip.conf")]
+
+
+@pytest.mark.parametrize("output, wanted", [
+    ("ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device", "free disk space"),
+    ("WARNING: Retrying ... Failed to establish a new connection: [Errno 111] Connection refused",
+     "the package index could not be reached"),
+    ("ERROR: Cannot install torch==2.15.0 because these package versions have conflicting dependencies.\n"
+     "The conflict is caused by:\n    The user requested torch==2.15.0\n    The user requested (constraint) "
+     "torch<=2.14.1\nERROR: ResolutionImpossible: for help visit https://pip.pypa.io", "pip refused a package"),
+    ("ERROR: Package 'labkit' requires a different Python: 3.10.12 not in '>=3.11'", "use Python 3.11"),
+])
+def test_failures_are_named_with_their_fix(output, wanted):
+    said, fix = envsetup.classify(output)
+    assert wanted in fix and said in output
+
+
+def _dev(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PPLAB_VENV=str(tmp_path / "venv"), **env)
+    for k in ("PPLAB_TORCH", "PIP_CONSTRAINT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "dev.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_a_cap_that_allows_no_supported_torch_fails_with_one_message(tmp_path):
+    r = _dev(tmp_path, _pip_config(tmp_path, "torch<2.11"), "setup")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "set-up failed at step 'find the newest torch pip allows'" in r.stderr
+    assert "torch<2.11" in r.stderr and "raise that cap" in r.stderr and "command: " in r.stderr
+
+
+def test_no_network_fails_with_one_message(tmp_path):
+    # an index nobody answers, no local wheels: pip cannot find any torch
+    r = _dev(tmp_path, {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+                        "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_NO_INDEX": "0",
+                        "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}, "setup")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "set-up failed at step" in r.stderr and "the package index could not be reached" in r.stderr, r.stderr
+
+
+def test_lab_listens_on_loopback_only_and_asks_nothing(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import dev
+    args = dev.lab_command(tmp_path / "venv")
+    assert args[args.index("--ip") + 1] == "127.0.0.1"
+    assert "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate" in args
+    assert dev.lab(["--ip", "0.0.0.0"]) == 2  # refused before any set-up
+    envsetup.write_lab_settings(tmp_path / "venv")
+    import json
+    data = json.loads((tmp_path / "venv/share/jupyter/lab/settings/overrides.json").read_text())
+    assert data["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+
+
+def test_the_lab_opens_without_the_news_prompt(tmp_path):
+    """JupyterLab started as dev.py starts it, in this environment (whose settings overrides dev.py's
+    set-up wrote): its settings API says news are never fetched, so no toast asks about them."""
+    import json
+    import time
+    import urllib.request
+    envsetup.write_lab_settings(Path(sys.prefix))
+    home = tmp_path / "home"
+    dirs = {n: home / n for n in ("config", "data", "runtime", "settings", "workspaces")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(dirs["config"]), JUPYTER_DATA_DIR=str(dirs["data"]),
+               JUPYTER_RUNTIME_DIR=str(dirs["runtime"]), JUPYTERLAB_SETTINGS_DIR=str(dirs["settings"]),
+               JUPYTERLAB_WORKSPACES_DIR=str(dirs["workspaces"]))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import dev
+    token = os.urandom(8).hex()
+    cmd = [sys.executable, *dev.lab_command(Path(sys.prefix))[1:], "--no-browser", "--port=0",
+           f"--IdentityProvider.token={token}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        settings = None
+        while settings is None and time.monotonic() < deadline:
+            assert server.poll() is None, "JupyterLab exited"
+            for f in dirs["runtime"].glob("jpserver-*.json"):
+                try:
+                    port = json.loads(f.read_text())["port"]
+                    url = (f"http://127.0.0.1:{port}/lab/api/settings/"
+                           f"@jupyterlab/apputils-extension:notification?token={token}")
+                    with urllib.request.urlopen(url, timeout=5) as r:
+                        data = json.loads(r.read())
+                    # the user's own settings over the schema's defaults (where overrides.json lands)
+                    settings = {k: v.get("default") for k, v in data["schema"]["properties"].items()}
+                    settings.update(data["settings"])
+                except (OSError, ValueError, KeyError):
+                    pass
+            time.sleep(0.5)
+        assert settings is not None, "JupyterLab did not answer within 90 s"
+        assert settings["fetchNews"] == "false" and settings["checkForUpdates"] is False
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
