@@ -75,13 +75,24 @@ class Check:
     tolerance: float
     extras: list[list[float]]
     """Each rank's `extra` floats, in rank order (e.g. step times, peak memory)."""
+    misnamed: int = 0
+    """Stage parameters, over all ranks, whose names (as compared) are not names in the unsplit model."""
+    misnamed_example: str = ""
+    """One such name on this rank, with the unsplit model's name for the same tensor when one is found."""
 
     @property
     def failure(self) -> str | None:
         if self.ok:
             return None
         if self.compared != self.expected and self.reference_losses:
-            return f"gradients compared for {self.compared} of {self.expected} parameters"
+            message = f"gradients compared for {self.compared} of {self.expected} parameters"
+            if self.misnamed:
+                message += (f": {self.misnamed} stage parameters have names that the unsplit model does not have"
+                            f"{' (' + self.misnamed_example + ')' if self.misnamed_example else ''}. If each stage "
+                            "module is `full[stage_index]` (stages cut from an nn.Sequential, as in notebooks 04 "
+                            "and 05), pass prefix_stage_index=True; otherwise pass grads={name in the unsplit "
+                            "model: gradient}")
+            return message
         if self.max_abs_diff == float("inf"):
             return ("a loss or gradient is missing: pass the `losses` list that schedule.step filled, and "
                     "check before the optimizer step or zero_grad")
@@ -99,6 +110,21 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
             for s in stages for n, p in s.submod.named_parameters() if p.grad is not None}
 
 
+def _misnamed(full: nn.Module, stages, prefix_stage_index: bool) -> tuple[int, str]:
+    """How many of the stages' parameters go by a name the unsplit model lacks, and one example
+    (`'weight' (the unsplit model calls this tensor '0.weight')`) when the same tensor is found there."""
+    names = {n for n, _ in full.named_parameters()}
+    by_tensor = {id(p): n for n, p in full.named_parameters()}
+    missing = [(f"{s.stage_index}.{n}" if prefix_stage_index else n, p) for s in stages
+               for n, p in s.submod.named_parameters()
+               if (f"{s.stage_index}.{n}" if prefix_stage_index else n) not in names]
+    if not missing:
+        return 0, ""
+    name, p = missing[0]
+    example = repr(name) + (f" (the unsplit model calls this tensor {by_tensor[id(p)]!r})" if id(p) in by_tensor else "")
+    return len(missing), example
+
+
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
                device=None, chunk_dim: int = 0, group=None) -> Check:
@@ -106,7 +132,14 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
     stages: this rank's PipelineStages; losses: the `losses` list the schedule filled (last stage);
-    grads: the gradients to compare (default: the stages' gradients now, `stage_grads`);
+    grads: the gradients to compare (default: the stages' gradients now, `stage_grads`), under the
+    unsplit model's parameter names;
+    prefix_stage_index: how a stage's parameter names map to the unsplit model's. False (the default)
+    when the stage module keeps the unsplit model's names, as a manual cut that deletes the other
+    stages' layers does (`layers.3.linear1.weight` on both sides, notebook 01). True when the stage
+    module is `full[stage_index]`, a child of an nn.Sequential (notebooks 04 and 05): its `weight`
+    is the unsplit model's `<stage_index>.weight`. With the wrong choice no gradient is found under
+    its name, the check fails, and `Check.failure` says which setting to use;
     loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead;
     chunk_dim: the dim the microbatches were cut along (1 for microbatches pre-split along dim 1);
     group: the pipeline's process group when the job holds several pipelines (PP x DP, notebook 10):
@@ -120,7 +153,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
     ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim)
     gmax = ldiff = odiff = 0.0
-    numel = 0
+    numel = misnamed = 0
+    example = ""
     if loss_fn is None:
         if has_last:
             odiff = float((output.to(ref.output.device) - ref.output).abs().max())
@@ -135,11 +169,13 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
         else:
             modules = [s.submod for s in stages]
         gmax, numel = grad_diff(modules, grads, ref)
+        misnamed, example = _misnamed(full, stages, prefix_stage_index)
         if has_last:
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):
                 ldiff = float("inf")
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra], device, group)
+    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), float(misnamed), *extra],
+                                        device, group)
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if loss_fn is None else worker.broadcast_floats(
         mine if has_last else None,
@@ -150,4 +186,5 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     diff = odiff if loss_fn is None else max(gmax, ldiff)
     complete = loss_fn is None or compared == expected
     return Check(bool(diff <= tolerance and complete), diff, compared, expected, pipelined, ref.losses,
-                 ldiff, gmax, odiff, tolerance, [r[5:] for r in per_rank])
+                 ldiff, gmax, odiff, tolerance, [r[6:] for r in per_rank],
+                 int(sum(r[5] for r in per_rank)), example)

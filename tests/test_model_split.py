@@ -65,3 +65,34 @@ def test_grad_diff_never_skips_a_missing_parameter():
     assert grad_diff([model], grads, ref)[0] == 0.0
     grads.pop("output.weight")
     assert grad_diff([model], grads, ref)[0] == float("inf")
+
+
+def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
+    """Stages cut as `full[s]` from an nn.Sequential call their weight `weight`, the unsplit model `0.weight`:
+    without prefix_stage_index no gradient is found, and the failure says which setting fixes it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from labkit.reference import check_step
+
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    stages = [SimpleNamespace(submod=full[i], stage_index=i, is_last=(i == 2), device=torch.device("cpu"))
+              for i in range(3)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    mse = nn.functional.mse_loss
+    losses = [mse(o, t) for o, t in zip(full(x).chunk(2), y.chunk(2))]   # the step, run whole (1 rank, 3 stages)
+    torch.stack(losses).mean().backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrong = check_step(full, stages, x, y, losses, 2, mse)
+        right = check_step(full, stages, x, y, losses, 2, mse, prefix_stage_index=True)
+    finally:
+        dist.destroy_process_group()
+    assert not wrong.ok and wrong.misnamed == 4
+    assert "gradients compared for 0 of 40 parameters" in wrong.failure
+    assert "pass prefix_stage_index=True" in wrong.failure
+    assert "'weight' (the unsplit model calls this tensor '0.weight')" in wrong.failure
+    assert right.ok and right.misnamed == 0 and right.failure is None
