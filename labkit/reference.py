@@ -88,7 +88,7 @@ class Check:
             message = f"gradients compared for {self.compared} of {self.expected} parameters"
             if self.misnamed:
                 message += (f": {self.misnamed} stage parameters have names that the unsplit model does not have"
-                            f"{' (' + self.misnamed_example + ')' if self.misnamed_example else ''}. If each stage "
+                            f"{', e.g. ' + self.misnamed_example if self.misnamed_example else ''}. If each stage "
                             "module is `full[stage_index]` (stages cut from an nn.Sequential, as in notebooks 04 "
                             "and 05), pass prefix_stage_index=True; otherwise pass grads={name in the unsplit "
                             "model: gradient}")
@@ -112,7 +112,7 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
 
 def _misnamed(full: nn.Module, stages, prefix_stage_index: bool) -> tuple[int, str]:
     """How many of the stages' parameters go by a name the unsplit model lacks, and one example
-    (`'weight' (the unsplit model calls this tensor '0.weight')`) when the same tensor is found there."""
+    (`'weight', which the unsplit model calls '0.weight'`, when the same tensor is found there)."""
     names = {n for n, _ in full.named_parameters()}
     by_tensor = {id(p): n for n, p in full.named_parameters()}
     missing = [(f"{s.stage_index}.{n}" if prefix_stage_index else n, p) for s in stages
@@ -121,7 +121,7 @@ def _misnamed(full: nn.Module, stages, prefix_stage_index: bool) -> tuple[int, s
     if not missing:
         return 0, ""
     name, p = missing[0]
-    example = repr(name) + (f" (the unsplit model calls this tensor {by_tensor[id(p)]!r})" if id(p) in by_tensor else "")
+    example = repr(name) + (f", which the unsplit model calls {by_tensor[id(p)]!r}" if id(p) in by_tensor else "")
     return len(missing), example
 
 

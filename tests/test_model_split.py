@@ -94,5 +94,5 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     assert not wrong.ok and wrong.misnamed == 4
     assert "gradients compared for 0 of 40 parameters" in wrong.failure
     assert "pass prefix_stage_index=True" in wrong.failure
-    assert "'weight' (the unsplit model calls this tensor '0.weight')" in wrong.failure
+    assert "e.g. 'weight', which the unsplit model calls '0.weight'." in wrong.failure
     assert right.ok and right.misnamed == 0 and right.failure is None
