@@ -171,17 +171,25 @@ def rank_peak_in_flight(order) -> dict[int, int]:
     return _peak_held(order, lambda rank, stage: rank)
 
 
+def rank_peak_bytes(order, bytes_per_microbatch: dict[int, int]) -> dict[int, int]:
+    """Per rank, the most activation bytes held at once: each (stage, microbatch) in flight weighs
+    `bytes_per_microbatch[stage]` (what one microbatch leaves on that stage, `memory.saved_activation_bytes`).
+    The plan a measured per-rank curve (`plot.plot_memory(..., by="rank")`) is held to (notebook 04)."""
+    return _peak_held(order, lambda rank, stage: rank, weight=lambda stage: bytes_per_microbatch[stage])
+
+
 _HOLDS = {"F": 1, "B": -1, "W": -1}  # a forward keeps a microbatch's activations; B, or W when split, frees them
 
 
-def _peak_held(order, group) -> dict[int, int]:
-    """The most microbatches held at once per `group(rank, stage)`, walking each rank's order."""
+def _peak_held(order, group, weight=lambda stage: 1) -> dict[int, int]:
+    """The most held at once per `group(rank, stage)`, walking each rank's order: microbatches, or
+    what `weight(stage)` says one microbatch of that stage weighs."""
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
     for rank, acts in normalize_order(order).items():
         for kind, stage, _mb in acts:
             key = group(rank, stage)
-            held[key] = held.get(key, 0) + _HOLDS.get(kind, 0)
+            held[key] = held.get(key, 0) + _HOLDS.get(kind, 0) * weight(stage)
             peak[key] = max(peak.get(key, 0), held[key])
     return dict(sorted(peak.items()))
 

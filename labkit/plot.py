@@ -9,7 +9,8 @@ Taught in notebooks 03 (bubbles), 05 (reading a measured timeline) and 06 (measu
 Colours are fixed per action kind, from the Okabe-Ito palette (safe for the common colour-vision
 deficiencies): F blue, B vermillion, I dark bluish green and W the same hue much lighter (the two
 halves of a split backward differ in lightness, so they stay apart in greyscale too), SEND/RECV grey.
-Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits;
+Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits, else
+`F1` (never a bare number: I and W would read alike);
 idle time is drawn hatched, with each rank's idle share at the right; the title says where the
 timeline comes from (torch's logs, a profiler trace, or simulated, with fitted or nominal costs).
 """
@@ -146,7 +147,7 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
         width_pt = ax.get_window_extent().width * 72.0 / fig.dpi
         pt_per_unit = width_pt / (makespan * 1.01)
         for a in t.compute():
-            for label in (f"{a.stage}{a.kind}{a.microbatch}", str(a.microbatch)):  # torch's 2F1, else just 1
+            for label in (f"{a.stage}{a.kind}{a.microbatch}", f"{a.kind}{a.microbatch}"):  # torch's 2F1, else F1
                 if a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2:
                     break
             else:
@@ -218,34 +219,43 @@ def plot_bubble_sweep(ax, ms: Sequence[int], measured: Sequence[float | None] | 
 
 
 def plot_memory(ax, events: dict, timeline: Timeline, planned: dict[int, int] | None = None,
-                unit: str = "KiB") -> list:
-    """Measured activation memory under a timeline: bytes each stage holds for its backward, over
-    the step (a `memory.SavedTensorTracker`'s events, `{rank: [(time, stage, bytes, allocated), ...]}`),
-    on the timeline's time axis (0 = its first action). `planned`: `{stage: bytes}` drawn dashed,
-    e.g. the planned microbatches in flight times one microbatch's bytes. Returns the artists."""
+                unit: str = "KiB", by: str = "stage") -> list:
+    """Measured activation memory under a timeline: bytes held for the backward over the step (a
+    `memory.SavedTensorTracker`'s events, `{rank: [(time, stage, bytes held by that stage, allocated)]}`),
+    on the timeline's time axis (0 = its first action). `by="stage"`: one curve per stage; `by="rank"`:
+    one per rank, the sum of its stages (what a device must hold when a rank has several stages, the V
+    placement). `planned`: `{stage or rank: bytes}` drawn dashed, e.g. microbatches in flight times one
+    microbatch's bytes (`orders.rank_peak_bytes` per rank). Returns the artists."""
+    if by not in ("rank", "stage"):
+        raise ValueError(f"by must be 'rank' or 'stage', got {by!r}.")
     scale = {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit]
     t0 = min(a.start for a in timeline.actions) if timeline.actions else 0.0
     end = max(a.end for a in timeline.actions) - t0 if timeline.actions else 0.0
-    by_stage: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for evs in events.values():
-        for t, stage, held, _allocated in evs:
-            by_stage[stage].append((t - t0, held))
+    curves: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for rank, evs in events.items():
+        now: dict[int, int] = {}  # per stage, what it holds after each event of this rank
+        for t, stage, held, _allocated in sorted(evs, key=lambda e: e[0]):
+            now[stage] = held
+            if by == "stage":
+                curves[stage].append((t - t0, held))
+            else:
+                curves[int(rank)].append((t - t0, sum(now.values())))
     artists: list = []
-    for stage in sorted(by_stage):
-        pts = sorted(by_stage[stage])
+    for key in sorted(curves):
+        pts = sorted(curves[key], key=lambda p: p[0])
         xs = [0.0] + [t for t, _ in pts] + [max(end, pts[-1][0])]
         ys = [0.0] + [h / scale for _, h in pts] + [pts[-1][1] / scale]
-        color = STAGE_COLORS[stage % len(STAGE_COLORS)]
-        artists.extend(ax.step(xs, ys, where="post", color=color, linewidth=1.6, label=f"stage {stage}"))
-        if planned and stage in planned:
-            artists.append(ax.axhline(planned[stage] / scale, color=color, linestyle="--", linewidth=1,
-                                      label=f"stage {stage} planned peak"))
+        color = STAGE_COLORS[key % len(STAGE_COLORS)]
+        artists.extend(ax.step(xs, ys, where="post", color=color, linewidth=1.6, label=f"{by} {key}"))
+        if planned and key in planned:
+            artists.append(ax.axhline(planned[key] / scale, color=color, linestyle="--", linewidth=1,
+                                      label=f"{by} {key} planned peak"))
     ax.set_xlim(0, end * 1.01 if end > 0 else 1)
     ax.set_ylim(bottom=0)
     ax.set_xlabel(f"time ({_unit(timeline)})")
-    ax.set_ylabel(f"held ({unit})")
+    ax.set_ylabel("activations held" + (" (bytes)" if unit == "B" else f" ({unit})"))
     ax.grid(alpha=0.3)
-    artists.append(ax.set_title("activations held for the backward, per stage (measured: saved-tensor hooks)",
+    artists.append(ax.set_title(f"activations held for the backward, per {by} (measured: saved-tensor hooks)",
                                 fontsize="medium"))
     artists.append(ax.legend(loc="upper left", bbox_to_anchor=(1.07, 1.0), borderaxespad=0.0, fontsize="small",
                              frameon=False))

@@ -173,3 +173,32 @@ def test_every_schedule_renders(name, tmp_path):
     out = tmp_path / f"{name}.png"
     fig.savefig(out, dpi=60)
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_narrow_bars_keep_their_kind_in_the_label():
+    """A bar too narrow for `2I1` is labelled `I1`, never a bare microbatch number (I and W would read alike)."""
+    tl = simulate("ZBVZeroBubble", 2, 8, 2, Cost(F=1, B=2))
+    fig, ax = _ax(figsize=(10, 2))  # narrow bars: room for `I1`, not for `2I1`
+    texts = [a.get_text() for a in plot_timeline(ax, tl, legend=False, show_bubble=False) if isinstance(a, Text)]
+    labels = [t for t in texts if re.fullmatch(r"\d*[FBIW]\d+|\d+", t)]
+    assert labels and not any(t.isdigit() for t in labels)
+    assert any(re.fullmatch(r"[IW]\d+", t) for t in labels)
+
+
+def test_plot_memory_per_rank_sums_the_ranks_stages():
+    from labkit.plot import plot_memory
+
+    tl = Timeline([Action(rank=0, stage=0, kind="F", microbatch=0, start=0.0, end=1.0),
+                   Action(rank=0, stage=3, kind="F", microbatch=0, start=1.0, end=2.0),
+                   Action(rank=0, stage=3, kind="B", microbatch=0, start=2.0, end=3.0),
+                   Action(rank=0, stage=0, kind="B", microbatch=0, start=3.0, end=4.0)], source="measured")
+    events = {0: [(1.0, 0, 64, None), (2.0, 3, 128, None), (3.0, 3, 0, None), (4.0, 0, 0, None)]}
+    fig, ax = _ax()
+    artists = plot_memory(ax, events, tl, planned={0: 192}, unit="B", by="rank")
+    curves = [a for a in artists if hasattr(a, "get_ydata") and a.get_label() == "rank 0"]
+    assert len(curves) == 1 and max(curves[0].get_ydata()) == 192
+    assert ax.get_ylabel() == "activations held (bytes)" and "per rank" in ax.get_title()
+    by_stage = plot_memory(_ax()[1], events, tl, unit="B")
+    assert {a.get_label() for a in by_stage if hasattr(a, "get_ydata")} == {"stage 0", "stage 3"}
+    with pytest.raises(ValueError):
+        plot_memory(ax, events, tl, by="device")

@@ -364,3 +364,14 @@ def test_planned_order_is_what_torch_ran(run_dir, name, p, m):
     for r in plan:
         ran = sorted((a for a in measured.compute() if a.rank == r), key=lambda a: (a.start, a.end))
         assert [(a.kind, a.stage, a.microbatch) for a in ran] == plan[r], f"rank {r}"
+
+
+def test_rank_peak_bytes_weighs_each_stage():
+    from labkit.orders import rank_peak_bytes, rank_peak_in_flight
+
+    order = {0: [("F", 0, 0), ("F", 3, 0), ("B", 3, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]}
+    assert rank_peak_in_flight(order) == {0: 2}
+    assert rank_peak_bytes(order, {0: 64, 3: 128}) == {0: 192}          # 0F0 + 3F0
+    assert rank_peak_bytes(order, {0: 64, 3: 10}) == {0: 128}           # 0F0 + 0F1 outweigh 0F0 + 3F0
+    plan = planned_actions("ZBVZeroBubble", 4, 8, 2)
+    assert rank_peak_bytes(plan, {s: 1 for s in range(8)}) == rank_peak_in_flight(plan)
