@@ -371,7 +371,7 @@ def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str |
         req = Path(tmp) / "requirements.txt"
         req.write_text("\n".join(rest) + "\n")
         run_step(f"install the locked packages ({lock.name}) and the kit",
-                 [*pip(vpy), "-q", "-r", req, "-e", f"{ROOT}[{extras}]"])
+                 [*pip(vpy), "-r", req, "-e", f"{ROOT}[{extras}]"])
     write_lab_settings(venv_dir)
     return installed_torch(venv_dir) or "?"
 
