@@ -53,9 +53,13 @@ def _wall(cmd: list[str], env: dict | None = None) -> float:
     return time.perf_counter() - t0
 
 
+WARM_UP = True  # one unmeasured run of each side first; tests/test_bench.py (structure, never timings) skips it
+
+
 def _pairs(a, b, n: int) -> tuple[list[float], list[float]]:
-    """Run a() and b() alternately n times (after one warm-up each); their results."""
-    a(), b()
+    """Run a() and b() alternately n times (after one warm-up each, with WARM_UP); their results."""
+    if WARM_UP:
+        a(), b()
     ra, rb = [], []
     for i in range(n):
         if i % 2:
