@@ -142,6 +142,10 @@ class RunConfig:
     split_points: list[str] | None = None
     """Modules where stages 1..n_stages-1 begin, e.g. ["layers.3", "layers.6"] (SplitPoint.BEGINNING);
     default: layers spread evenly. Used by both split modes."""
+    model_name: str = field(default="tutorial", metadata=_flag("--model"))
+    """`tutorial` (the official tutorial's Transformer) or a transformers model type built small from the
+    preset's sizes: llama, gpt2, bert, or any causal LM laid out like Llama (qwen2, mistral, ...). Needs the
+    `models` extra (transformers)."""
     profile: bool = False
     """Also record a torch.profiler trace per rank (profile/rank<N>.json in the run directory)."""
     extra: dict = field(default_factory=dict, metadata={"flags": ()})
@@ -180,9 +184,11 @@ class RunConfig:
                 f"schedules cut the batch into equal microbatches. Use --microbatches that divides "
                 f"{self.batch_size} (e.g. {_divisors(self.batch_size)}), or change --batch-size."
             )
+        validate_model(self.model_name, self.layout)
         if self.split_points is not None:
             self.split_points = list(self.split_points)
-            self.layer_bounds()  # validates
+            if not self.auto_split:
+                self.layer_bounds()  # validates
         if self.layout == "tutorial" and preset.seq_len % self.n_microbatches:
             raise ConfigError(
                 f"With the tutorial layout the microbatches cut the sequence ({preset.seq_len} tokens): use "
@@ -206,12 +212,24 @@ class RunConfig:
         """Stage indices that live on `rank` (loop placement, or V placement for V-shaped schedules)."""
         return stage_placement(self.pp_size, self.stages_per_rank or 1, self.info.v_shaped)[rank]
 
+    @property
+    def auto_split(self) -> bool:
+        """`--split-points auto`: the job measures each block and balances the stages (labkit.models.balance)."""
+        return self.split_points == ["auto"]
+
     def layer_bounds(self) -> list[int]:
         """Layer index where each stage starts, plus n_layers (from split_points, or even)."""
         n_layers = self.model.n_layers
         if self.split_points is None:
             return layer_bounds(n_layers, self.n_stages)
+        if "auto" in self.split_points:
+            raise ConfigError(f"split_points 'auto' stands alone (--split-points auto), got {self.split_points}; the "
+                              f"job chooses the points from measured block costs.")
         valid = [f"layers.{i}" for i in range(1, n_layers)]
+        prefix = BLOCK_PREFIXES.get(self.model_name)
+        if prefix:  # a transformers model's own module names are accepted too (transformer.h.3)
+            self.split_points = [f"layers.{sp.rsplit('.', 1)[1]}" if sp.startswith(prefix + ".") else sp
+                                 for sp in self.split_points]
         if len(self.split_points) != self.n_stages - 1:
             raise ConfigError(
                 f"{self.n_stages} stages need {self.n_stages - 1} split points (where stages 1..{self.n_stages - 1} "
@@ -261,6 +279,31 @@ def read_config_json(path: str | os.PathLike) -> dict:
         raise ConfigError(f"No config at {p}: the kit's jobs read their config from the run directory's "
                           f"config.json, which `labkit run` writes. Launch through `labkit run`, or pass "
                           f"--config PATH.") from None
+
+
+MODELS_EXTRA = "models"
+MODELS_INSTALL = ("pip install 'labkit[models]' (transformers>=5.23); in a clone of the lab: "
+                  ".venv/bin/pip install -e '.[models]'")
+BLOCK_PREFIXES = {"gpt2": "transformer.h", "bert": "bert.encoder.layer"}
+"""Where a family's blocks live, for split points given by module name (Llama's layout: model.layers)."""
+
+
+def validate_model(model: str, layout: str = "batch") -> None:
+    """`tutorial`, or a transformers model type with transformers installed (checked without importing it)."""
+    import importlib.util
+    import re
+
+    if not isinstance(model, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*", model):
+        raise ConfigError(f"model must be `tutorial` or a transformers model type in lower case (llama, gpt2, bert, "
+                          f"qwen2...), got {model!r}.")
+    if model == "tutorial":
+        return
+    if layout != "batch":
+        raise ConfigError(f"--layout {layout} is the tutorial Transformer's; --model {model} always has tokens "
+                          f"(batch, seq). Drop --layout.")
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"--model {model} builds transformers' own {model} model, and transformers is not "
+                          f"installed. Install the kit's `{MODELS_EXTRA}` extra: {MODELS_INSTALL}")
 
 
 def validate_sizes(pp_size: int, n_microbatches: int) -> None:

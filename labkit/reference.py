@@ -24,35 +24,46 @@ class Reference:
 
 
 def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
-                          chunk_dim: int = 0) -> Reference:
+                          chunk_dim: int = 0, kwargs: dict | None = None) -> Reference:
     """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch;
-    the per-microbatch losses from the output and target cut along `chunk_dim`."""
+    the per-microbatch losses from the output and target cut along `chunk_dim`. `kwargs`: the model's
+    other inputs for the whole batch (attention_mask, position_ids); a model that returns a tuple or
+    a transformers ModelOutput is read as its first element (the logits)."""
     ref = copy.deepcopy(model).to(device)
     ref.zero_grad(set_to_none=True)
+    kwargs = kwargs or {}
     if loss_fn is None:
         with torch.no_grad():
-            return Reference(output=ref(x).detach())
-    out = ref(x)
+            return Reference(output=_first(ref(x, **kwargs)).detach())
+    out = _first(ref(x, **kwargs))
     losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim), y.chunk(n_microbatches, dim=chunk_dim))]
     torch.stack(losses).mean().backward()
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return Reference(losses=[float(l.detach()) for l in losses], grads=grads)
 
 
-def grad_diff(modules: list[nn.Module], grads: dict[str, torch.Tensor], ref: Reference) -> tuple[float, int]:
+def _first(out):
+    return out if torch.is_tensor(out) else out[0]
+
+
+def grad_diff(modules: list[nn.Module], grads: dict[str, torch.Tensor], ref: Reference,
+              tied: dict[str, str] | None = None) -> tuple[float, int]:
     """Largest |grad - reference grad| over the parameters of `modules`, and how many elements were compared.
 
     `grads` maps parameter names (as in the unsplit model) to the pipelined gradients. A parameter
     with no gradient or no reference counts as an infinite difference, never as a silent skip.
+    `tied`: {a copy's name: the unsplit model's name} for a tied weight held by several stages: the
+    copy is compared with the one tied parameter's reference gradient and not counted again.
     """
     worst, numel = 0.0, 0
+    tied = tied or {}
     for m in modules:
         for name, p in m.named_parameters():
-            g, r = grads.get(name), ref.grads.get(name)
+            g, r = grads.get(name), ref.grads.get(tied.get(name, name))
             if g is None or r is None or g.shape != r.shape:
                 return float("inf"), numel
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
-            numel += p.numel()
+            numel += 0 if name in tied else p.numel()
     return worst, numel
 
 
@@ -110,10 +121,10 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
             for s in stages for n, p in s.submod.named_parameters() if p.grad is not None}
 
 
-def _misnamed(full: nn.Module, stages, prefix_stage_index: bool) -> tuple[int, str]:
+def _misnamed(full: nn.Module, stages, prefix_stage_index: bool, tied=None) -> tuple[int, str]:
     """How many of the stages' parameters go by a name the unsplit model lacks, and one example
     (`'weight', which the unsplit model calls '0.weight'`, when the same tensor is found there)."""
-    names = {n for n, _ in full.named_parameters()}
+    names = {n for n, _ in full.named_parameters()} | set(tied or {})
     by_tensor = {id(p): n for n, p in full.named_parameters()}
     missing = [(f"{s.stage_index}.{n}" if prefix_stage_index else n, p) for s in stages
                for n, p in s.submod.named_parameters()
@@ -127,7 +138,8 @@ def _misnamed(full: nn.Module, stages, prefix_stage_index: bool) -> tuple[int, s
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
-               device=None, chunk_dim: int = 0, group=None) -> Check:
+               device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
+               tied: dict[str, str] | None = None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
@@ -143,7 +155,11 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     loss_fn=None: forward only, `output` (the schedule's return on the last stage) is compared instead;
     chunk_dim: the dim the microbatches were cut along (1 for microbatches pre-split along dim 1);
     group: the pipeline's process group when the job holds several pipelines (PP x DP, notebook 10):
-    the check is a collective over it, and `losses` / `x` / `y` are the whole batch of all of them.
+    the check is a collective over it, and `losses` / `x` / `y` are the whole batch of all of them;
+    kwargs: the unsplit model's other inputs for the whole batch (attention_mask, position_ids);
+    tied: {name of a tied weight's copy on a stage: the unsplit model's name}, e.g. GPT-2's
+    {"lm_head.weight": "transformer.wte.weight"} (labkit.models.hf.TiedWeights.aliases): each copy
+    must hold the whole tied gradient (notebook 11).
     Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
     """
     from . import worker
@@ -151,7 +167,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     device = device if device is not None else (stages[0].device if stages else "cpu")
     has_last = any(s.is_last for s in stages)
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
-    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim)
+    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs)
     gmax = ldiff = odiff = 0.0
     numel = misnamed = 0
     example = ""
@@ -168,8 +184,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
             modules = [named]
         else:
             modules = [s.submod for s in stages]
-        gmax, numel = grad_diff(modules, grads, ref)
-        misnamed, example = _misnamed(full, stages, prefix_stage_index)
+        gmax, numel = grad_diff(modules, grads, ref, tied)
+        misnamed, example = _misnamed(full, stages, prefix_stage_index, tied)
         if has_last:
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):

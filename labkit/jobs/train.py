@@ -23,9 +23,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import worker
 from ..config import ConfigError, RunConfig
-from ..model import build_model, make_batch, tokenwise_loss_fn
+from ..models.adapter import adapter as model_adapter
 from ..reference import check_step, stage_grads
-from ..stages import build_schedule, build_stages
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,10 +45,12 @@ def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
     return cfg
 
 
-def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False):
+def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, step_kwargs=None, after_backward=None):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
-    log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step)."""
+    log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
+    step_kwargs: the model's kwargs this rank passes to step (masks, position ids: labkit.models);
+    after_backward(stages): before the gradients are read or applied (tied weights' all-reduce)."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
@@ -64,7 +65,9 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False):
         args = (x,) if has_first else ()
         kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
         with worker.timed(d.device) as elapsed:
-            out = schedule.step(*args, **kwargs)
+            out = schedule.step(*args, **(step_kwargs or {}), **kwargs)
+            if after_backward is not None and not cfg.inference:
+                after_backward(stages)
         step_times.append(elapsed())
         if step == 0:
             first = {"losses": list(losses), "grads": stage_grads(stages),
@@ -93,22 +96,30 @@ def main(argv=None) -> int:
     d = worker.init_distributed(cfg.device, cfg.pg_timeout)
     t0 = time.perf_counter()
 
-    full = build_model(cfg)  # same weights on every rank (seeded), kept on CPU as the reference
-    stages, stage_builder = build_stages(cfg, full, d.rank, d.device)
-    loss_fn = None if cfg.inference else tokenwise_loss_fn
-    schedule = build_schedule(cfg, stages, loss_fn)
-    x, y = make_batch(cfg, d.device)
+    model = model_adapter(cfg)  # the tutorial Transformer, or a transformers model (labkit.models)
+    full = model.build_full()  # same weights on every rank (seeded), kept on CPU as the reference
+    bounds, balance = cfg.layer_bounds() if not cfg.auto_split else None, None
+    if cfg.auto_split:  # --split-points auto: measure each block here, on every rank (same answer)
+        from ..models.balance import balance_config
+        balance = balance_config(cfg, model, full)
+        bounds = balance["bounds"]
+        cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
+    stages, stage_builder = model.build_stages(full, d.rank, d.device, bounds)
+    loss_fn = None if cfg.inference else model.loss_fn
+    schedule = model.schedule(stages, loss_fn)
+    x, y, model_kwargs = model.batch(d.device)
 
     if cfg.profile:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
-        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab)
+        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab,
+                                                   model.step_kwargs(stages, model_kwargs), model.after_backward)
     peak = worker.peak_memory_bytes(d.device)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
     check = check_step(full, stages, x, y, first["losses"], cfg.n_microbatches, loss_fn, grads=first["grads"],
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
-                       device=d.device)
+                       device=d.device, kwargs=model_kwargs, tied=model.tied_aliases)
     has_last = any(s.is_last for s in stages)
     last_rank = next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r))
     step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)
@@ -119,7 +130,8 @@ def main(argv=None) -> int:
             stages_per_rank=cfg.stages_per_rank, n_microbatches=cfg.n_microbatches,
             stage_placement=[cfg.stages_of_rank(r) for r in range(cfg.pp_size)],
             split=cfg.split, stage_builder=stage_builder, inference=cfg.inference,
-            layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size,
+            layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size, model=cfg.model_name,
+            layer_bounds=bounds, balance=balance,
             step_losses=[] if cfg.inference else step_losses,
             peak_memory_bytes=[int(r[0]) for r in check.extras],
             peak_memory_kind="cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",

@@ -1,0 +1,165 @@
+"""One interface over every model the reference job can pipeline (`RunConfig.model_name`).
+
+The job asks an adapter for: the unsplit model (seeded, identical on every rank), the batch (token
+ids, targets, and the kwargs every stage needs), the loss, this rank's `PipelineStage`s, the kwargs
+this rank passes to `schedule.step`, the schedule (with the kwargs' chunk specs), and what to do
+after the backward (tied weights). `tutorial` keeps `labkit.model` / `labkit.stages` as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import RunConfig
+
+
+class TutorialAdapter:
+    """The tutorial Transformer (labkit.model, labkit.stages): no kwargs, no tied weights."""
+
+    tied_aliases: dict = {}
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def build_full(self) -> nn.Module:
+        from ..model import build_model
+        return build_model(self.cfg)
+
+    def batch(self, device):
+        from ..model import make_batch
+        x, y = make_batch(self.cfg, device)
+        return x, y, {}
+
+    @property
+    def loss_fn(self):
+        from ..model import tokenwise_loss_fn
+        return tokenwise_loss_fn
+
+    def build_stages(self, full, rank, device, bounds=None):
+        from ..stages import build_stages
+        return build_stages(self.cfg, full, rank, device)
+
+    def step_kwargs(self, stages, kwargs):
+        return {}
+
+    def schedule(self, stages, loss_fn):
+        from ..stages import build_schedule
+        return build_schedule(self.cfg, stages, loss_fn)
+
+    def after_backward(self, stages) -> None:
+        pass
+
+
+class HFAdapter:
+    """A transformers model (labkit.models.hf): attention_mask and position_ids as kwargs cut along the
+    batch like the tokens; tied weights summed across the stages that hold a copy."""
+
+    KWARGS = ("attention_mask", "position_ids")
+
+    def __init__(self, cfg: RunConfig):
+        from . import hf
+
+        hf.require_transformers()
+        self.cfg = cfg
+        self.tied = hf.TiedWeights()
+
+    @property
+    def tied_aliases(self) -> dict:
+        return self.tied.aliases
+
+    def build_full(self) -> nn.Module:
+        from . import hf
+        return hf.build_hf(self.cfg.model_name, self.cfg.model, seed=self.cfg.seed)
+
+    def batch(self, device):
+        from . import hf
+        return hf.make_batch(self.cfg.model_name, self.cfg.model, self.cfg.batch_size, self.cfg.seed, device)
+
+    @property
+    def loss_fn(self):
+        from . import hf
+        return hf.loss_fn
+
+    def build_stages(self, full, rank, device, bounds=None):
+        """This rank's PipelineStages and how they were built. Collective: every rank calls it (the
+        tied weights' process group is made with `dist.new_group`, which every rank must enter)."""
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+
+        from . import hf
+
+        cfg = self.cfg
+        bounds = bounds or cfg.layer_bounds()
+        n = cfg.n_stages
+        local = cfg.stages_of_rank(rank)
+        rank_of = {s: r for r in range(cfg.pp_size) for s in cfg.stages_of_rank(r)}
+        group = dist.new_group if dist.is_initialized() else (lambda ranks: None)
+        if cfg.split == "manual":
+            meta = hf.build_hf(cfg.model_name, cfg.model, device="meta")
+            tied_names = {n for g in hf.tied_groups(meta) for n in g}
+
+            def names(s):  # a stage holding a tied weight twice holds ONE tensor, under its first name
+                paths = hf.stage_paths(meta, s, bounds)
+                return [nm for nm, _ in meta.named_parameters(remove_duplicate=False)
+                        if hf._owned(nm, paths) and (nm not in tied_names or _first_owned(meta, nm, paths))]
+
+            self.tied = hf.find_tied(meta, bounds, names, rank_of.get, group)
+            stages = [PipelineStage(hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, device), s, n, device)
+                      for s in local]
+            how = "manual: built on meta, own modules kept and filled, PipelineStage"
+        else:
+            x, _, kw = self.batch("cpu")
+            mb = cfg.batch_size // cfg.n_microbatches
+            pipe = hf.trace_pipe(full, bounds, x[:mb].to(device), {k: v[:mb].to(device) for k, v in kw.items()})
+            dropped = {s: hf.drop_unused_parameters(pipe.get_stage_module(s)) for s in range(n)}
+            self.tied = hf.find_tied(full, bounds,
+                                     lambda s: [nm for nm, _ in pipe.get_stage_module(s).named_parameters()],
+                                     rank_of.get, group)
+            if cfg.info.v_shaped:
+                stages = [PipelineStage(pipe.get_stage_module(s), s, n, device) for s in local]
+                how = "tracer: pipeline(), PipelineStage(pipe.get_stage_module(i))"
+            else:
+                stages = [pipe.build_stage(s, device) for s in local]
+                how = "tracer: pipeline(), pipe.build_stage"
+            if any(dropped.values()):
+                how += f"; unused tied copies dropped: {sorted({d for v in dropped.values() for d in v})}"
+        if self.tied.groups:
+            how += (f"; tied weights {self.tied.canonical} summed over ranks {self.tied.ranks}")
+        return stages, how
+
+    def step_kwargs(self, stages, kwargs):
+        """Manual split: every stage takes the masks and position ids (each rank passes them to step,
+        and the schedule cuts them per microbatch). Tracer: only the first stage takes graph inputs;
+        what later stages need travels down the pipeline as activations."""
+        if self.cfg.split == "manual" or any(s.is_first for s in stages):
+            return dict(kwargs)
+        return {}
+
+    def schedule(self, stages, loss_fn):
+        import torch.distributed.pipelining as pp
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+        info = self.cfg.info
+        cls = getattr(pp, info.cls)
+        spec = {k: TensorChunkSpec(0) for k in self.KWARGS}  # (batch, seq): cut along the batch, as the tokens
+        if self.cfg.split == "tracer" and not any(s.is_first for s in stages):
+            spec = None
+        target = stages if info.multi else stages[0]
+        return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=spec)
+
+    def after_backward(self, stages) -> None:
+        self.tied.sync(stages)
+
+
+def _first_owned(model: nn.Module, name: str, paths: list[str]) -> bool:
+    from . import hf
+    for g in hf.tied_groups(model):
+        if name in g:
+            return name == next(n for n in g if hf._owned(n, paths))
+    return True
+
+
+def adapter(cfg: RunConfig):
+    """The adapter for `cfg.model_name`."""
+    return TutorialAdapter(cfg) if cfg.model_name == "tutorial" else HFAdapter(cfg)
