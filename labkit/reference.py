@@ -47,19 +47,20 @@ def _first(out):
 
 
 def grad_diff(modules: list[nn.Module], grads: dict[str, torch.Tensor], ref: Reference,
-              tied: dict[str, str] | None = None) -> tuple[float, int]:
+              tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None) -> tuple[float, int]:
     """Largest |grad - reference grad| over the parameters of `modules`, and how many elements were compared.
 
     `grads` maps parameter names (as in the unsplit model) to the pipelined gradients. A parameter
     with no gradient or no reference counts as an infinite difference, never as a silent skip.
     `tied`: {a copy's name: the unsplit model's name} for a tied weight held by several stages: the
-    copy is compared with the one tied parameter's reference gradient and not counted again.
+    copy is compared with the one tied parameter's reference gradient and not counted again;
+    `renamed`: {name: the unsplit model's name} for a tied parameter held once under its other name.
     """
     worst, numel = 0.0, 0
-    tied = tied or {}
+    tied, renamed = tied or {}, renamed or {}
     for m in modules:
         for name, p in m.named_parameters():
-            g, r = grads.get(name), ref.grads.get(tied.get(name, name))
+            g, r = grads.get(name), ref.grads.get(tied.get(name, renamed.get(name, name)))
             if g is None or r is None or g.shape != r.shape:
                 return float("inf"), numel
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
@@ -139,7 +140,7 @@ def _misnamed(full: nn.Module, stages, prefix_stage_index: bool, tied=None) -> t
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
-               tied: dict[str, str] | None = None) -> Check:
+               tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
@@ -159,7 +160,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     kwargs: the unsplit model's other inputs for the whole batch (attention_mask, position_ids);
     tied: {name of a tied weight's copy on a stage: the unsplit model's name}, e.g. GPT-2's
     {"lm_head.weight": "transformer.wte.weight"} (labkit.models.hf.TiedWeights.aliases): each copy
-    must hold the whole tied gradient (notebook 11).
+    must hold the whole tied gradient (notebook 11); renamed: {name on a stage: the unsplit model's
+    name} for a tied parameter that a stage holds once under its other name (a traced BERT).
     Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
     """
     from . import worker
@@ -184,8 +186,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
             modules = [named]
         else:
             modules = [s.submod for s in stages]
-        gmax, numel = grad_diff(modules, grads, ref, tied)
-        misnamed, example = _misnamed(full, stages, prefix_stage_index, tied)
+        gmax, numel = grad_diff(modules, grads, ref, tied, renamed)
+        misnamed, example = _misnamed(full, stages, prefix_stage_index, {**(tied or {}), **(renamed or {})})
         if has_last:
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):

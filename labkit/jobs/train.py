@@ -45,11 +45,12 @@ def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
     return cfg
 
 
-def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, step_kwargs=None, after_backward=None):
+def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
-    step_kwargs: the model's kwargs this rank passes to step (masks, position ids: labkit.models);
+    inputs: (args, kwargs) this rank passes to step (default: the tokens on the first stage; a
+    transformers model adds masks and position ids, labkit.models.adapter);
     after_backward(stages): before the gradients are read or applied (tied weights' all-reduce)."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
@@ -62,10 +63,10 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, s
         if switch:
             switch.set(worker.pp_logs_on_step(step))
         losses: list = []
-        args = (x,) if has_first else ()
+        args, model_kwargs = inputs if inputs is not None else (((x,) if has_first else ()), {})
         kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
         with worker.timed(d.device) as elapsed:
-            out = schedule.step(*args, **(step_kwargs or {}), **kwargs)
+            out = schedule.step(*args, **model_kwargs, **kwargs)
             if after_backward is not None and not cfg.inference:
                 after_backward(stages)
         step_times.append(elapsed())
@@ -104,7 +105,13 @@ def main(argv=None) -> int:
         balance = balance_config(cfg, model, full)
         bounds = balance["bounds"]
         cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
-    stages, stage_builder = model.build_stages(full, d.rank, d.device, bounds)
+    try:
+        stages, stage_builder = model.build_stages(full, d.rank, d.device, bounds)
+    except NotImplementedError as e:  # a split this model cannot take (labkit.models.hf.TRACER_ROPE)
+        if d.rank == 0:
+            print(f"[labkit] configuration error: {e}", file=sys.stderr, flush=True)
+        worker.teardown()
+        return 2
     loss_fn = None if cfg.inference else model.loss_fn
     schedule = model.schedule(stages, loss_fn)
     x, y, model_kwargs = model.batch(d.device)
@@ -113,13 +120,14 @@ def main(argv=None) -> int:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab,
-                                                   model.step_kwargs(stages, model_kwargs), model.after_backward)
+                                                   model.step_inputs(stages, x, model_kwargs), model.after_backward)
     peak = worker.peak_memory_bytes(d.device)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
     check = check_step(full, stages, x, y, first["losses"], cfg.n_microbatches, loss_fn, grads=first["grads"],
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
-                       device=d.device, kwargs=model_kwargs, tied=model.tied_aliases)
+                       device=d.device, kwargs=model_kwargs, tied=model.tied_aliases,
+                       renamed=model.renamed)
     has_last = any(s.is_last for s in stages)
     last_rank = next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r))
     step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)

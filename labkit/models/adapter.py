@@ -18,6 +18,7 @@ class TutorialAdapter:
     """The tutorial Transformer (labkit.model, labkit.stages): no kwargs, no tied weights."""
 
     tied_aliases: dict = {}
+    renamed: dict = {}
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -40,8 +41,9 @@ class TutorialAdapter:
         from ..stages import build_stages
         return build_stages(self.cfg, full, rank, device)
 
-    def step_kwargs(self, stages, kwargs):
-        return {}
+    def step_inputs(self, stages, x, kwargs):
+        """(args, kwargs) this rank passes to `schedule.step`: the tokens on the first stage."""
+        return ((x,) if any(s.is_first for s in stages) else ()), {}
 
     def schedule(self, stages, loss_fn):
         from ..stages import build_schedule
@@ -67,6 +69,10 @@ class HFAdapter:
     @property
     def tied_aliases(self) -> dict:
         return self.tied.aliases
+
+    @property
+    def renamed(self) -> dict:
+        return self.tied.renamed
 
     def build_full(self) -> nn.Module:
         from . import hf
@@ -122,19 +128,26 @@ class HFAdapter:
             else:
                 stages = [pipe.build_stage(s, device) for s in local]
                 how = "tracer: pipeline(), pipe.build_stage"
+            self.first_inputs = hf.first_stage_inputs(pipe)
             if any(dropped.values()):
                 how += f"; unused tied copies dropped: {sorted({d for v in dropped.values() for d in v})}"
         if self.tied.groups:
             how += (f"; tied weights {self.tied.canonical} summed over ranks {self.tied.ranks}")
         return stages, how
 
-    def step_kwargs(self, stages, kwargs):
-        """Manual split: every stage takes the masks and position ids (each rank passes them to step,
-        and the schedule cuts them per microbatch). Tracer: only the first stage takes graph inputs;
-        what later stages need travels down the pipeline as activations."""
-        if self.cfg.split == "manual" or any(s.is_first for s in stages):
-            return dict(kwargs)
-        return {}
+    def step_inputs(self, stages, x, kwargs):
+        """(args, kwargs) this rank passes to `schedule.step`. Manual split: the tokens on the first
+        stage, and on EVERY stage the masks and position ids as kwargs (each rank passes them, the
+        schedule cuts them per microbatch with the chunk specs). Tracer: only the first stage takes
+        inputs, all of them positionally in the split graph's order (hf.first_stage_inputs); what
+        later stages need (the 4-D mask, rotary cos/sin) travels down the pipeline as activations."""
+        first = any(s.is_first for s in stages)
+        if self.cfg.split == "manual":
+            return ((x,) if first else ()), dict(kwargs)
+        if not first:
+            return (), {}
+        named = {"input_ids": x, **kwargs}
+        return tuple(named[n] for n in self.first_inputs), {}
 
     def schedule(self, stages, loss_fn):
         import torch.distributed.pipelining as pp
@@ -143,8 +156,8 @@ class HFAdapter:
         info = self.cfg.info
         cls = getattr(pp, info.cls)
         spec = {k: TensorChunkSpec(0) for k in self.KWARGS}  # (batch, seq): cut along the batch, as the tokens
-        if self.cfg.split == "tracer" and not any(s.is_first for s in stages):
-            spec = None
+        if self.cfg.split == "tracer":
+            spec = None  # positional inputs only; the default cuts every one along dim 0
         target = stages if info.multi else stages[0]
         return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=spec)
 

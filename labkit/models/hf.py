@@ -276,9 +276,31 @@ def trace_pipe(full: nn.Module, bounds: list[int], example_ids, example_kwargs: 
 
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    blocks = BLOCKS[family(full)]
-    split_spec = {f"{blocks}.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
+    fam = family(full)
+    if fam == "causal":
+        raise NotImplementedError(TRACER_ROPE)
+    split_spec = {f"{BLOCKS[fam]}.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
     return pipeline(copy.deepcopy(full), mb_args=(example_ids,), mb_kwargs=example_kwargs, split_spec=split_spec)
+
+
+TRACER_ROPE = (
+    "The tracer cannot split a Llama-layout model (rotary position embeddings) on torch 2.11 to 2.15: "
+    "pipeline() builds the Pipe, but its first stage fails at the first step with 'Expected positional "
+    "argument for parameter unsqueeze_default' (or position_ids), pytorch/pytorch#184361 (open): the "
+    "rotary module's ops land in two separate groups of the exported graph and the unflattener gives only "
+    "one of them its inputs. Calling rotary_emb through its forward (no module call) breaks pipeline() "
+    "itself ('no attribute submod_1'; tried on torch 2.13). Use --split manual, which cuts the same model "
+    "by hand and matches the unsplit model.")
+
+
+def first_stage_inputs(pipe) -> list[str]:
+    """The names of the whole model's inputs in the order the split graph passes them to the first
+    stage, positionally. Pass them to `step` in this order, positionally: a traced first stage's
+    `forward(input_ids, attention_mask, position_ids)` may put its inputs in another order than the
+    one its graph reads them in (seen on GPT-2 with torch 2.13: keywords by name swap the mask and
+    the position ids), while the split graph's own call is always right."""
+    call = next(n for n in pipe.split_gm.graph.nodes if n.op == "call_module")
+    return [a.target if a.op == "placeholder" else a.name for a in call.args]
 
 
 def drop_unused_parameters(gm: nn.Module) -> list[str]:
@@ -308,21 +330,25 @@ def drop_unused_parameters(gm: nn.Module) -> list[str]:
 
 @dataclass
 class TiedWeights:
-    """The tied parameters held by more than one stage, and how their gradients are summed.
+    """The tied parameters held as more than one tensor (by several stages, or twice by one traced
+    stage), and how their gradients are summed.
 
-    groups: for each tied parameter, {stage: name in that stage}; ranks: the ranks that hold a copy;
-    group: the process group of those ranks (None when one rank holds every copy)."""
+    groups: for each tied parameter, its copies as (stage, name in that stage); canonical: the
+    unsplit model's name for it; ranks: the ranks that hold a copy; pgs: the process group of those
+    ranks (None when one rank holds every copy)."""
 
-    groups: list[dict[int, str]] = field(default_factory=list)
+    groups: list[list[tuple[int, str]]] = field(default_factory=list)
+    canonical: list[str] = field(default_factory=list)
     ranks: list[list[int]] = field(default_factory=list)
     pgs: list = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
+    """A tied parameter held once, under another of its names (a traced BERT's last stage keeps
+    `cls.predictions.decoder.bias` where the unsplit model shows `cls.predictions.bias`)."""
 
     @property
     def aliases(self) -> dict[str, str]:
         """{name of a copy: the unsplit model's (canonical) name}, for the reference check."""
-        return {n: canon for g, canon in zip(self.groups, self.canonical) for n in g.values() if n != canon}
-
-    canonical: list[str] = field(default_factory=list)
+        return {n: canon for g, canon in zip(self.groups, self.canonical) for _, n in g if n != canon}
 
     def sync(self, stages) -> None:
         """Sum each tied parameter's gradient over its copies (all-reduce in the holders' group),
@@ -332,32 +358,33 @@ class TiedWeights:
 
         mine = {s.stage_index: s.submod for s in stages}
         for g, ranks, pg in zip(self.groups, self.ranks, self.pgs):
-            here = [mine[s].get_parameter(n) for s, n in g.items() if s in mine]
+            here = [mine[s].get_parameter(n) for s, n in g if s in mine]
             if not here:
                 continue
-            total = sum(p.grad for p in here if p.grad is not None)
-            if not torch.is_tensor(total):
-                continue
-            total = total.clone()
+            total = torch.zeros_like(here[0])
+            for p in here:
+                if p.grad is not None:
+                    total += p.grad
             if len(ranks) > 1:
                 dist.all_reduce(total, group=pg)
             for p in here:
                 p.grad = total.clone()
 
 
-def find_tied(meta: nn.Module, bounds: list[int], stage_names, rank_of_stage, make_group) -> TiedWeights:
-    """The tied parameters that more than one stage holds. `stage_names(s)`: the parameter names of
-    stage s; `rank_of_stage(s)`; `make_group(ranks)`: a process group (called on EVERY rank in the
-    same order, as `dist.new_group` requires)."""
+def find_tied(model: nn.Module, bounds: list[int], stage_names, rank_of_stage, make_group) -> TiedWeights:
+    """The tied parameters held as more than one tensor. `stage_names(s)`: the parameter names of
+    stage s (one name per tensor); `rank_of_stage(s)`; `make_group(ranks)`: a process group (called
+    on EVERY rank in the same order, as `dist.new_group` requires)."""
     tw = TiedWeights()
     n_stages = len(bounds) - 1
-    names = {s: set(stage_names(s)) for s in range(n_stages)}
-    for g in tied_groups(meta):
-        holders = {s: next(n for n in g if n in names[s]) for s in range(n_stages) if names[s] & set(g)}
-        if len(holders) < 2:
+    names = {s: list(stage_names(s)) for s in range(n_stages)}
+    for g in tied_groups(model):
+        copies = [(s, n) for s in range(n_stages) for n in names[s] if n in g]
+        if len(copies) < 2:
+            tw.renamed.update({n: g[0] for _, n in copies if n != g[0]})
             continue
-        ranks = sorted({rank_of_stage(s) for s in holders})
-        tw.groups.append(holders)
+        ranks = sorted({rank_of_stage(s) for s, _ in copies})
+        tw.groups.append(copies)
         tw.canonical.append(g[0])
         tw.ranks.append(ranks)
         tw.pgs.append(make_group(ranks) if len(ranks) > 1 else None)
