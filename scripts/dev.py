@@ -7,7 +7,8 @@
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
-    python3 scripts/dev.py lock       # refresh requirements/lab-torch*.txt (uv pip compile; needs the registry)
+    python3 scripts/dev.py lock       # refresh requirements/lab-torch*.txt (uv pip compile; needs the registry);
+                                      # pins kept where they fit, `lock --upgrade` moves all to the newest
 
 Environment: `requirements/lab-torch2.15.txt`, a lock of every package at versions tested together
 (scripts/envsetup.py installs it). A supported torch (2.11 to 2.15) already in .venv is kept (install
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> int:
             setup()
             return 0
         if cmd == "lock":
-            return envsetup.lock(ROOT / ".venv-tools")
+            return envsetup.lock(ROOT / ".venv-tools", upgrade="--upgrade" in rest)
         return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
     except SetupError as e:
         print(f"\ndev.py {cmd}: {e}", file=sys.stderr, flush=True)

@@ -33,7 +33,7 @@ REQUIREMENTS = ROOT / "requirements"
 MIN_PYTHON = (3, 11)  # torch 2.15.0 publishes wheels for 3.11+ only; the lock is resolved for 3.11+
 SUPPORTED_TORCH = ((2, 11), (2, 15))  # = labkit.versions.SUPPORTED; this file cannot import labkit
 SUPPORTED_RANGE = "torch>=2.11,<2.16"
-EXTRAS = "lab,test"
+EXTRAS = "lab,test,models"  # what the lab and its tests use; every one is in the locks
 
 
 class SetupError(Exception):
@@ -380,9 +380,11 @@ def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str |
 UV = "uv==0.13.9"  # the lock tool, pinned so that a refresh gives the same file format
 
 
-def lock(tools_venv: Path) -> int:
+def lock(tools_venv: Path, upgrade: bool = False) -> int:
     """Re-resolve every lock from pyproject.toml + requirements/torch-X.Y.in with uv (fetched into
-    .venv-tools), for every platform (`--universal`) and Python 3.11+."""
+    .venv-tools), for every platform (`--universal`) and Python 3.11+. Pins already in a lock are
+    kept where they still fit (a new dependency is added, nothing else moves); `upgrade` moves every
+    package to its newest release."""
     check_python()
     if not vpython(tools_venv).exists():
         venv_mod.EnvBuilder(with_pip=True).create(tools_venv)
@@ -391,8 +393,9 @@ def lock(tools_venv: Path) -> int:
     for src in sorted(REQUIREMENTS.glob("torch-*.in")):
         minor = tuple(int(x) for x in src.stem.split("-")[1].split("."))
         out = lock_path(minor)  # type: ignore[arg-type]
-        cmd = [uv, "pip", "compile", "pyproject.toml", src.relative_to(ROOT), "--extra", "lab", "--extra", "test",
-               "--universal", "--python-version", f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}", "--upgrade",
+        extras = [a for e in EXTRAS.split(",") for a in ("--extra", e)]
+        cmd = [uv, "pip", "compile", "pyproject.toml", src.relative_to(ROOT), *extras,
+               "--universal", "--python-version", f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]}", *(["--upgrade"] * upgrade),
                "--custom-compile-command", "python3 scripts/dev.py lock", "-o", out.relative_to(ROOT)]
         run_step(f"lock {out.name}", cmd, env=dict(os.environ, UV_NO_CONFIG="1"), cwd=ROOT)
     return 0

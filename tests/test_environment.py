@@ -59,7 +59,8 @@ LOCKS = {minor: envsetup.lock_path(minor) for minor in (dev.MAIN_TORCH, dev.OTHE
 
 def _requirements() -> list[str]:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return list(data["dependencies"]) + [r for name in ("lab", "test") for r in data["optional-dependencies"][name]]
+    return list(data["dependencies"]) + [r for name in envsetup.EXTRAS.split(",")
+                                     for r in data["optional-dependencies"][name]]
 
 
 def test_every_lock_pins_torch_as_its_input_says_and_both_ends_of_the_range():
