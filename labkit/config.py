@@ -83,6 +83,10 @@ PRESETS: dict[str, ModelPreset] = {
     # shape always says which dimension is which).
     "tiny": ModelPreset(dim=32, n_layers=8, n_heads=2, vocab_size=64, batch_size=8, seq_len=16,
                         note="test suites"),
+    # The small sizes with a 32k vocabulary: the output layer and loss weigh several blocks, so the
+    # last stage of an even split is the slowest (balancing, --split-points auto, labkit.models.balance).
+    "wide_vocab": ModelPreset(dim=64, n_layers=8, n_heads=4, vocab_size=32768, batch_size=8, seq_len=32,
+                              note="a heavy last stage: balancing"),
     # The official tutorial's sizes: ~55 s per step on 2 CPU cores, meant for GPUs.
     "tutorial": ModelPreset(dim=512, n_layers=8, n_heads=8, vocab_size=10000, batch_size=32, seq_len=500,
                             note="GPUs (the official tutorial's sizes)"),

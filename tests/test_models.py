@@ -125,3 +125,29 @@ def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, s
     assert res["compared_param_elements"] == res["model_param_elements"] > 0
     if model_type in ("gpt2", "bert"):
         assert "tied weights" in res["stage_builder"]
+
+
+# ---- balancing (labkit.models.balance) ----
+
+def test_best_bounds_relieves_a_heavy_last_stage():
+    from labkit.models.balance import balance, best_bounds
+
+    assert best_bounds([1] * 8, 4) == [0, 2, 4, 6, 8]
+    plan = balance([1, 1, 1, 1, 1, 1, 1, 5], 2)  # last unit: a block plus a large vocabulary's head
+    assert plan.bounds == [0, 6, 8] and plan.split_points == ["layers.6"]
+    assert plan.stage_time_s == [6, 6] and plan.even_stage_time_s == [4, 8]
+    with pytest.raises(ValueError, match="one at least per stage"):
+        best_bounds([1, 1], 3)
+
+
+def test_measured_units_see_the_heavy_head():
+    # wide_vocab: a 32k vocabulary; the last unit (block + output layer + loss) outweighs a block.
+    from labkit.models.balance import balance, measure_units
+
+    cfg = RunConfig(model_name="llama", preset="wide_vocab", schedule="1F1B")
+    times, sizes = measure_units(cfg, repeats=3)
+    assert len(times) == len(sizes) == 8 and min(sizes) > 0
+    assert times[-1] > 2 * sorted(times[1:-1])[len(times) // 2]
+    plan = balance(times, 2, sizes)
+    assert plan.bounds[1] > 4 and max(plan.stage_time_s) <= max(plan.even_stage_time_s)
+    assert RunConfig(split_points=["auto"]).auto_split
