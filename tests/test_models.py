@@ -97,6 +97,9 @@ def test_split_points_by_module_name():
     assert cfg.layer_bounds() == [0, 3, 8]
     with pytest.raises(ConfigError, match="stands alone"):
         RunConfig(model_name="gpt2", preset="tiny", split_points=["auto", "layers.3"])
+    # the traced first stage's mask would skip past the middle stages (torch refuses that backward)
+    with pytest.raises(ConfigError, match="at most 2 stages.*--split manual"):
+        RunConfig(model_name="gpt2", split="tracer", schedule="Interleaved1F1B")
 
 
 # ---- real jobs: model x split x schedule against the whole-batch step ----
