@@ -68,6 +68,21 @@ def test_tied_gradient_needs_the_sum_of_both_stages():
     assert float((emb + head - want).abs().max()) < 1e-5
 
 
+def test_untied_gpt2_needs_no_sum():
+    # The other way out: two independent matrices (a different model, more parameters, no communication).
+    hf = _hf()
+    full = hf.build_hf("gpt2", TINY, untie=True)
+    assert hf.tied_groups(full) == [] and full.lm_head.weight is not full.transformer.wte.weight
+    x, y, kw = hf.make_batch("gpt2", TINY, 8, 0)
+    stages = [hf.manual_stage("gpt2", TINY, full, s, [0, 4, 8], "cpu", untie=True) for s in range(2)]
+    hf.loss_fn(stages[1](stages[0](x, **kw), **kw), y).backward()
+    hf.loss_fn(full(x, **kw).logits, y).backward()
+    for name, want in [("transformer.wte.weight", full.transformer.wte.weight.grad),
+                       ("lm_head.weight", full.lm_head.weight.grad)]:
+        got = next(st.get_parameter(name).grad for st in stages if name in dict(st.named_parameters()))
+        assert float((got - want).abs().max()) < 1e-6
+
+
 def test_tracer_refuses_rope_models_with_the_reason():
     hf = _hf()
     full = hf.build_hf("qwen2", TINY)
