@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     bounds, balance = cfg.layer_bounds() if not cfg.auto_split else None, None
     if cfg.auto_split:  # --split-points auto: measure each block here, on every rank (same answer)
         from ..models.balance import balance_config
-        balance = balance_config(cfg, model, full)
+        balance = balance_config(cfg, model, full, d.device)
         bounds = balance["bounds"]
         cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
     try:

@@ -98,19 +98,22 @@ def _unit_modules(cfg, model, full):
     return [hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, "cpu") for s in range(n)]
 
 
-def measure_units(cfg, model=None, full=None, repeats: int = 7) -> tuple[list[float], list[int]]:
+def measure_units(cfg, model=None, full=None, repeats: int = 7, device="cpu") -> tuple[list[float], list[int]]:
     """Forward+backward seconds (fastest of `repeats`, after one warm-up) and saved activation bytes of
-    each unit on one microbatch, on this process's CPU. `model`: the job's adapter (labkit.models.adapter)."""
+    each unit on one microbatch, on `device` (a GPU's time is taken after synchronizing). `model`: the
+    job's adapter (labkit.models.adapter)."""
     import torch
     import torch.nn as nn
 
     from ..memory import saved_activation_bytes
+    from ..worker import sync
     from .adapter import adapter
 
     model = model or adapter(cfg)
     full = full if full is not None else model.build_full()
-    units = _unit_modules(cfg, model, full)
-    x, y, kw = model.batch("cpu")
+    device = torch.device(device)
+    units = [u.to(device) for u in _unit_modules(cfg, model, full)]
+    x, y, kw = model.batch(device)
     mb = cfg.batch_size // cfg.n_microbatches
     x, y, kw = x[:mb], y[:mb], {k: v[:mb] for k, v in kw.items()}
 
@@ -135,8 +138,10 @@ def measure_units(cfg, model=None, full=None, repeats: int = 7) -> tuple[list[fl
         once()
         spans = []
         for _ in range(repeats):
+            sync(device)
             t0 = time.perf_counter()
             out = once()
+            sync(device)
             spans.append(time.perf_counter() - t0)
         unit.zero_grad(set_to_none=True)
         times.append(min(spans))
@@ -145,17 +150,18 @@ def measure_units(cfg, model=None, full=None, repeats: int = 7) -> tuple[list[fl
     return times, sizes
 
 
-def balance_config(cfg, model=None, full=None) -> dict:
+def balance_config(cfg, model=None, full=None, device="cpu") -> dict:
     """`--split-points auto` inside the job: every rank measures, the ranks average their measurements
     (so all of them choose the same split), and the plan is returned as a dict for result.json."""
     import torch.distributed as dist
 
     from .. import worker
 
-    times, sizes = measure_units(cfg, model, full)
+    import torch
+
+    times, sizes = measure_units(cfg, model, full, device=device)
     if dist.is_initialized():
-        import torch
-        rows = worker.all_gather_floats(times, torch.device("cpu"))
+        rows = worker.all_gather_floats(times, torch.device(device))
         times = [sum(r[i] for r in rows) / len(rows) for i in range(len(times))]
     plan = balance(times, cfg.n_stages, sizes)
     return {**plan.to_dict(), "unit_time_s": times, "unit_activation_bytes": sizes}
