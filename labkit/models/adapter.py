@@ -159,6 +159,11 @@ class HFAdapter:
         if self.cfg.split == "tracer":
             spec = None  # positional inputs only; the default cuts every one along dim 0
         target = stages if info.multi else stages[0]
+        import inspect
+        if "kwargs_chunk_spec" not in inspect.signature(cls.__init__).parameters:
+            # ScheduleLoopedBFS takes no chunk specs (torch 2.13); its default cuts every tensor kwarg
+            # along dim 0, which is the same cut
+            return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn)
         return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=spec)
 
     def after_backward(self, stages) -> None:
