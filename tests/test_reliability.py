@@ -18,6 +18,8 @@ import psutil
 import pytest
 
 from conftest import REPO, kit_processes, labkit_cli
+
+from labkit.config import PRESETS
 from labkit.launch import LaunchError, launch
 
 HELLO = textwrap.dedent("""
@@ -250,7 +252,7 @@ BAD_RUNS = [
     (["--schedule", "GPipe", "--split", "tracer", "--split-points", "layers.99"], "names no module"),
     (["--schedule", "GPipe", "--split-points", "layers.2,layers.5"], "need 1 split points"),
     (["--schedule", "ZBVZeroBubble", "--inference"], "cannot run forward-only"),
-    (["--schedule", "GPipe", "--preset", "huge"], "Choose one of: small, tiny, tutorial"),
+    (["--schedule", "GPipe", "--preset", "huge"], "Choose one of: " + ", ".join(PRESETS)),  # every preset named
     (["--schedule", "GPipe", "--timeout", "-1"], "positive number of seconds"),
     (["--schedule", "GPipe", "--nnodes", "2"], "needs --rdzv-endpoint"),
     (["--schedule", "GPipe", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "must be below nnodes"),
