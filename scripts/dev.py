@@ -115,24 +115,60 @@ def pytest(venv_dir: Path, paths, argv: list[str]) -> int:
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
+OTHER_VENV = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
+OTHER_SETUP_LOG = ROOT / "test-artifacts" / f"setup-torch{OTHER_END[0]}.{OTHER_END[1]}.log"
+
+
+def start_other_setup() -> subprocess.Popen:
+    """The second leg's environment, built in the background while the first leg's tests run: at the
+    lowest CPU priority (it is mostly a download), its output in a log file, not among the tests'."""
+    OTHER_SETUP_LOG.parent.mkdir(exist_ok=True)
+    log = open(OTHER_SETUP_LOG, "w")
+    nice = (lambda: os.nice(19)) if hasattr(os, "nice") else None
+    print(f"(setting up {OTHER_VENV.name} from {lock_path(OTHER_END).name} in the background, at low priority: "
+          f"{OTHER_SETUP_LOG.relative_to(ROOT)})", flush=True)
+    return subprocess.Popen([sys.executable, __file__, "setup", "--other-end"], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, preexec_fn=nice, cwd=ROOT)
+
+
+def finish_other_setup(proc: subprocess.Popen) -> str:
+    """Wait for the background set-up; its torch line and result are shown; a failure is its message."""
+    rc = proc.wait()
+    lines = OTHER_SETUP_LOG.read_text(errors="replace").splitlines()
+    for line in lines:
+        if line.startswith(("torch: ", "set-up done: ")):
+            print(line, flush=True)
+    if rc != 0:
+        message = "\n".join(lines[-12:])
+        raise SetupError(f"set up {OTHER_VENV.name} (in the background; whole log: {OTHER_SETUP_LOG})",
+                         "see the message above", None, message)
+    return envsetup.installed_torch(OTHER_VENV) or "?"
+
+
 def test(argv: list[str]) -> int:
     """The whole suite on .venv's torch (2.15 from the lock, or what a cap allows), then, unless
     `--one-torch`, the version-dependent part (torch's API table, the log parser, the reference runs,
-    every notebook) on the other end of the supported range, in .venv-torch2.11. Fails if either leg fails."""
+    every notebook) on the other end of the supported range, in .venv-torch2.11, whose set-up runs
+    in the background during the first leg. Fails if either leg fails."""
     one_torch = "--one-torch" in argv
     argv = [a for a in argv if a != "--one-torch"]
     main_torch = setup()
     ensure_browser()
-    main_rc = pytest(VENV, ("tests", "notebooks"), argv)
+    other = None if one_torch else start_other_setup()
+    try:
+        main_rc = pytest(VENV, ("tests", "notebooks"), argv)
+    except BaseException:
+        if other is not None:
+            other.kill()
+        raise
     verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731
-    if one_torch:
+    if other is None:
         print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}", flush=True)
         return main_rc
-    other_venv = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
-    print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {other_venv.name} ==",
+    print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {OTHER_VENV.name} ==",
           flush=True)
-    other_torch = setup(other_venv, OTHER_END, keep_torch=False)
-    other_rc = pytest(other_venv, OTHER_END_TESTS, argv)
+    other_torch = finish_other_setup(other)
+    other_rc = pytest(OTHER_VENV, OTHER_END_TESTS, argv)
     print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}; "
           f"{', '.join(OTHER_END_TESTS)} on torch {other_torch}: {verdict(other_rc)}", flush=True)
     return main_rc or other_rc
@@ -162,7 +198,10 @@ def main(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
     try:
         if cmd == "setup":
-            setup()
+            if "--other-end" in rest:  # the second leg's environment (dev.py test builds it in the background)
+                setup(OTHER_VENV, OTHER_END, keep_torch=False)
+            else:
+                setup()
             return 0
         if cmd == "lock":
             return envsetup.lock(ROOT / ".venv-tools", upgrade="--upgrade" in rest)
