@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from .config import ConfigError, RunConfig, field_docs
 
@@ -212,6 +213,39 @@ def cmd_theory(a) -> int:
     return 0
 
 
+def cmd_search(a) -> int:
+    from .theory import Cost, fit_cost
+    from .theory.search import search, zb_h1_makespan
+
+    if a.cost_from:
+        from .compare import load_timeline
+
+        cost = fit_cost(load_timeline(a.cost_from), p2p=a.comm or 0.0)
+        print(f"costs fitted from {a.cost_from}: F={cost.F:.4g} I={cost.input_grad:.4g} W={cost.weight_grad:.4g} "
+              f"{cost.unit}", file=sys.stderr)
+    elif a.cost:
+        cost = Cost.parse(a.cost)
+        if a.comm is not None:
+            cost = Cost(**{**cost.to_dict(), "p2p": a.comm})
+    else:
+        raise ConfigError("give the costs: --cost F=1,I=1,W=1 (any unit), or --cost-from RUN_DIR to fit them "
+                          "from a measured run")
+    r = search(a.pp_size, a.microbatches, cost, a.memory_limit, a.stages_per_rank)
+    if a.csv:
+        Path(a.csv).write_text(r.csv())
+        print(f"wrote {a.csv} (torch's compute-only CSV: run it with `labkit launch --nproc {a.pp_size} "
+              f"notebooks/scripts/custom_schedule.py --order {a.csv}`)", file=sys.stderr)
+    data = r.to_json()
+    data["zb_h1_makespan"] = zb_h1_makespan(a.pp_size, a.microbatches, cost)
+    if a.json:
+        print(json.dumps(data))
+    else:
+        print(f"searched order (K={a.memory_limit}): makespan {r.makespan:g} (lower bound {r.lower_bound:g}, "
+              f"{100 * r.gap:.1f}% above), steady-state period {r.period:g}, bubble_fraction {r.bubble:.4f}, "
+              f"peak per stage {data['peak']}; rule: {r.rule}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="labkit", description="PP Lab: launch and read pipeline-parallel jobs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +268,17 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--cost", default=None, help="durations, e.g. F=1,B=2 or F=1,I=1,W=1,p2p=0.1")
     th.add_argument("--json", action="store_true")
     th.add_argument("--plot", default=None)
+    se = sub.add_parser("search", help="search an order of F/I/W actions under a memory limit (zero-bubble style)")
+    se.add_argument("--pp-size", type=int, required=True, help="ranks, one stage each")
+    se.add_argument("--microbatches", type=int, required=True)
+    se.add_argument("--cost", default=None, help="durations, e.g. F=1,I=1,W=1 (any unit)")
+    se.add_argument("--comm", type=float, default=None, help="latency of a send between ranks (same unit)")
+    se.add_argument("--cost-from", default=None, help="fit the costs from a measured run directory instead")
+    se.add_argument("--memory-limit", type=int, required=True,
+                    help="most microbatches' activations any stage may hold (1F1B: pp_size)")
+    se.add_argument("--stages-per-rank", type=int, default=1)
+    se.add_argument("--csv", default=None, help="write the order as torch's compute-only CSV")
+    se.add_argument("--json", action="store_true", help="print makespan, bubble, peak, bounds, order as JSON")
     c = sub.add_parser("clean", help="end processes the kit left running (orphans; --all: every kit job)")
     c.add_argument("--all", action="store_true", help="also end jobs whose notebook or terminal is still alive")
     sl = sub.add_parser("slurm", help="write an sbatch script that runs a labkit command on several nodes")
@@ -249,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _HANDLERS = {"run": cmd_run, "launch": cmd_launch, "doctor": cmd_doctor, "clean": cmd_clean, "slurm": cmd_slurm,
-             "timeline": cmd_timeline, "theory": cmd_theory}
+             "timeline": cmd_timeline, "theory": cmd_theory, "search": cmd_search}
 
 
 def main(argv=None) -> int:

@@ -1,13 +1,15 @@
 """Ideal pipeline schedules: what each torch schedule plans, and what it would do on perfect hardware.
 
 plans.py (the per-rank order torch plans), cost.py (the cost model, closed forms, fitting costs to a
-run), simulate.py (replaying an order: ideal timelines and deadlocks). Orders themselves, how they
+run), simulate.py (replaying an order: ideal timelines and deadlocks), search.py (an order searched
+under a memory limit, zero-bubble style). Orders themselves, how they
 are written and checked, are `labkit.orders`. Taught in notebooks 03, 04-06 and 08.
 """
 
 from ..orders import ScheduleError, check_order
 from .cost import Cost, closed_form_bubble, fit_cost
 from .plans import planned_actions
+from .search import SearchResult, search
 from .simulate import ScheduleDeadlock, simulate, simulate_order, theory_json
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "closed_form_bubble",
     "fit_cost",
     "theory_json",
+    "search",
+    "SearchResult",
 ]
