@@ -203,7 +203,9 @@ def run_step(step: str, cmd: list, env: dict | None = None, quiet: bool = False,
 
 
 def pip(vpy: Path) -> list[str]:
-    return [str(vpy), "-m", "pip", "install", "--disable-pip-version-check"]
+    """pip install, without pip's cache: a CUDA torch's wheels are ~3 GB, and the cache would keep a
+    second copy of them beside the environment (a CI machine's disk ran out that way)."""
+    return [str(vpy), "-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir"]
 
 
 # ------------------------------------------------------------------------------------------ pip caps
@@ -333,14 +335,37 @@ def plan_torch(vpy: Path, pins: dict[str, list[Pin]], have: str | None, keep_tor
                          torch_spec.split())
     if have and (supported(have) if keep_torch else version_tuple(have) == version_tuple(want)):
         return TorchPlan(f"torch: keeping torch {have}, already installed (the lock has torch=={want})", [])
+    caps = find_caps(vpy)
+    if not caps:  # nothing in pip's configuration caps torch: the lock decides, pip is not asked
+        return TorchPlan(f"torch: torch=={want} from the lock", [], from_lock=True)
     allowed = newest_allowed_torch(vpy)
     if version_tuple(allowed) < version_tuple(want):
-        caps = find_caps(vpy)
-        cap = caps[0].describe() if caps else "a constraint in pip's configuration (see `pip config list`)"
+        cap = caps[0].describe()
         return TorchPlan(f"torch: the lock wants torch=={want}, but pip's configuration caps it: {cap}; "
                          f"installing torch=={allowed}, the newest supported release the cap allows",
                          [f"torch=={allowed}"])
     return TorchPlan(f"torch: torch=={want} from the lock", [], from_lock=True)
+
+
+def install_one_by_one(vpy: Path, lines: list[str]) -> None:
+    """The torch family's big pins (torch, triton, the CUDA libraries: ~3 GB of wheels), one pip call
+    each: pip downloads every wheel of a call before it installs any, so one call needs the space of
+    all the wheels on top of the installed environment; one at a time needs only the largest."""
+    have = _installed_versions(vpy)
+    for line in lines:
+        name, version = re.split(r"==", line.split(";")[0].strip(), maxsplit=1)
+        if have.get(norm(name)) == version.strip():
+            continue
+        run_step(f"install {name.strip()} (the lock's torch family, one at a time)", [*pip(vpy), "--no-deps", line])
+
+
+def _installed_versions(vpy: Path) -> dict[str, str]:
+    r = subprocess.run([str(vpy), "-m", "pip", "list", "--format", "json", "--disable-pip-version-check"],
+                       capture_output=True, text=True)
+    try:
+        return {norm(d["name"]): d["version"] for d in json.loads(r.stdout)}
+    except (ValueError, KeyError, TypeError):
+        return {}
 
 
 def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str | None = None,
@@ -365,6 +390,9 @@ def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str |
     if plan.install:
         run_step("install torch", [*pip(vpy), *plan.install])
     family = torch_family(pins)
+    if plan.from_lock:
+        install_one_by_one(vpy, [p.line for name, entries in sorted(pins.items()) for p in entries
+                                 if name in family and (name in ("torch", "triton") or name.startswith("nvidia-"))])
     rest = [p.line for name, entries in sorted(pins.items()) for p in entries
             if plan.from_lock or name not in family]
     with tempfile.TemporaryDirectory() as tmp:
