@@ -182,8 +182,18 @@ def cmd_timeline(a) -> int:
             plot_timeline(ax, tl)
         fig.savefig(a.plot, dpi=120, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr)
+    if a.idle:
+        from .spans import explain_idle_spans
+
+        if tl.source != "spans":
+            print("labkit timeline --idle reads spans, and this run has none: use labkit.logs.explain_idle on its "
+                  "logs instead", file=sys.stderr)
+            return 2
+        print(explain_idle_spans(a.paths[0] if len(a.paths) == 1 else Path(a.paths[0]).parent).text())
+        return 0
     if a.json or not (a.plot or a.perfetto):
         out = tl.to_json()
+        out["source"] = "logs" if out["source"] == "measured" else out["source"]  # say where it came from
         print(json.dumps(out if a.json else {"metrics": out["metrics"], "meta": out["meta"]}, indent=None if a.json else 2))
     return 0
 
@@ -253,13 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     d = sub.add_parser("doctor", help="what can run here, and how to fix what is missing")
     d.add_argument("--json", action="store_true")
-    t = sub.add_parser("timeline", help="a run's per-stage timeline from its PP logs (or profiler traces)")
+    t = sub.add_parser("timeline", help="a run's per-stage timeline: its spans (both ends of every action), "
+                                        "else its PP logs or profiler traces")
     t.add_argument("paths", nargs="+", help="a run directory, or log files (labkit or torch's default format)")
     t.add_argument("--json", action="store_true", help="print actions and metrics as JSON")
     t.add_argument("--plot", default=None, help="save the measured timeline beside its fitted ideal (PNG)")
     t.add_argument("--perfetto", default=None, help="save a Chrome/Perfetto trace JSON (one pid per rank)")
-    t.add_argument("--source", default="logs", choices=["logs", "profiler", "auto"],
-                   help="logs (default), profiler traces (run with --profile), or auto")
+    t.add_argument("--source", default="auto", choices=["auto", "spans", "logs", "profiler"],
+                   help="spans (measured at both ends of every action; the default where the run has them), logs "
+                        "(derived from torch's PP log lines: GPipe/1F1B starts are inferred), profiler (a run with "
+                        "--profile); auto: spans, else profiler, else logs")
+    t.add_argument("--idle", action="store_true", help="say where the last step's idle time went, by cause (spans)")
     th = sub.add_parser("theory", help="the ideal timeline of a schedule (simulated from its own action order)")
     th.add_argument("--schedule", required=True)
     th.add_argument("--pp-size", type=int, required=True)

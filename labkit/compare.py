@@ -1,7 +1,7 @@
 """A measured run beside its ideal: load a run's timeline, find its shape, fit costs, simulate.
 
 `measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06
-use: the measured timeline (from the PP logs, or the profiler traces), and the ideal timeline of
+use: the measured timeline (spans where the run has them, else the PP logs or profiler traces), and the ideal timeline of
 the same schedule with costs fitted from the measurement, with both bubble numbers.
 """
 
@@ -15,19 +15,26 @@ from pathlib import Path
 from .config import schedule_info
 from .timeline import Action, Timeline
 
-SOURCES = ("logs", "profiler", "auto")
+SOURCES = ("auto", "spans", "logs", "profiler")
+
+LOGS_NOTE = ("from torch's PP logs: GPipe and 1F1B log one line when an action ENDS and none when it starts, so "
+             "a start there is inferred (the previous line, moved past the neighbour's send, then trimmed): "
+             "overhead and waits between actions can read as compute. Spans measure both ends.")
 
 
-def load_timeline(paths, source: str = "logs", trim: bool = True) -> Timeline:
-    """The measured timeline of a run directory or of log files. `auto`: profiler traces when present.
+def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
+    """The measured timeline of a run directory, a live-ranks cell directory, or log files.
+
+    `source`: `spans` (both ends of every action measured in the rank: `labkit.spans`), `logs`
+    (derived from torch's PP log lines), `profiler` (torch.profiler traces, `--profile`), or `auto`:
+    spans where the run has them, else profiler traces, else the logs. The timeline's `source`
+    says which it is ("spans", "profiler", or "measured" for the logs, with `meta["starts"]` saying
+    why its starts are inferred).
 
     Log timelines have their waits taken out unless `trim=False` (the raw reading folds every wait
-    into the next action and hides the bubble): `waits="trim"` of `labkit.logs.intervals`, which
-    owns how (an action that needs a neighbour's tensor starts no earlier than that neighbour's
-    `Sending ...` line, then what waiting is left is trimmed). Stated agreement with profiler
-    traces: +-0.03 bubble fraction on the controlled workload (labkit.workload); on real models,
-    whose per-action compute varies, trimming over-reads the bubble (notebook 06: 0.73 trimmed vs
-    0.35 split on the `tiny` model's Interleaved1F1B fixture): use `--profile` for exact compute spans there.
+    into the next action and hides the bubble): `waits="trim"` of `labkit.logs.intervals`. On the
+    controlled workload (actions of known length) they agree with the profiler within 0.03; on real
+    models trimming can err either way (notebook 06), which is why spans are the default.
     """
     from .logs.intervals import timeline_from_path
 
@@ -36,12 +43,25 @@ def load_timeline(paths, source: str = "logs", trim: bool = True) -> Timeline:
     if not isinstance(paths, (str, os.PathLike)):
         paths = list(paths)  # read an iterator once: it is used again below
     single = paths if isinstance(paths, (str, os.PathLike)) else (paths[0] if len(paths) == 1 else None)
+    if source in ("spans", "auto"):
+        from .spans.paths import span_files
+
+        where = single if single is not None and Path(single).is_dir() else (Path(paths[0]).parent if paths else None)
+        if where is not None and span_files(where):
+            from .spans.read import timeline_from_spans
+
+            return timeline_from_spans(where)
+        if source == "spans":
+            raise FileNotFoundError(f"No spans in {where}: runs recorded before spans existed, or a job whose "
+                                    f"ranks never imported torch's pipelining. Use --source logs.")
     if source in ("profiler", "auto") and single is not None:
         from .logs.profiler import profile_files, timeline_from_profile
 
         if profile_files(single) or source == "profiler":
             return timeline_from_profile(single)
-    return timeline_from_path(paths, waits="trim" if trim else "fold")
+    tl = timeline_from_path(paths, waits="trim" if trim else "fold")
+    tl.meta["starts"] = LOGS_NOTE
+    return tl
 
 
 @dataclass
@@ -91,7 +111,7 @@ def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
     return ideal
 
 
-def measured_vs_ideal(path, source: str = "logs") -> tuple[Timeline, Timeline, dict]:
+def measured_vs_ideal(path, source: str = "auto") -> tuple[Timeline, Timeline, dict]:
     """(measured step, fitted ideal, summary) of a run directory (the last step of a multi-step run)."""
     measured = one_step(load_timeline(path, source))
     shape = run_shape(measured, path if Path(path).is_dir() else None)

@@ -43,7 +43,7 @@ _LABEL_FONTSIZE = 7
 def _unit(timeline: Timeline) -> str:
     if timeline.source == "theory":
         return timeline.meta.get("unit", "units")
-    return "s"  # pp logs and profiler traces are in seconds
+    return "s"  # spans, pp logs and profiler traces are in seconds
 
 
 def bubble_summary(timeline: Timeline) -> str:
@@ -55,7 +55,8 @@ def bubble_summary(timeline: Timeline) -> str:
 
 def _default_title(timeline: Timeline) -> str:
     meta = timeline.meta
-    what = {"theory": "ideal", "profiler": "measured (profiler trace)"}.get(timeline.source, "measured (torch's logs)")
+    what = {"theory": "ideal", "profiler": "measured (profiler trace)", "spans": "measured (spans)"}.get(
+        timeline.source, "measured (torch's logs)")
     if timeline.source == "theory":
         what = ("ideal (simulated, costs fitted to the measured run)" if meta.get("costs") == "fitted"
                 else "ideal (simulated)")

@@ -1,4 +1,6 @@
-"""The timeline data model shared by measured runs (`labkit.logs`: PP logs, profiler traces) and theory.
+"""The timeline data model shared by measured runs (`labkit.spans`; `labkit.logs`: PP logs, profiler
+traces) and theory. It depends on nothing else in the kit: readers build on it, never the reverse
+(trimming a log timeline's waits is `labkit.logs.trim_waits(timeline)`).
 
 An `Action` is one piece of work of one stage on one microbatch: kind F (forward), B (full
 backward), I (backward for inputs), W (backward for weights), or SEND/RECV. A `Timeline` is a
@@ -38,7 +40,7 @@ class Action(NamedTuple):
 @dataclass
 class Timeline:
     actions: list[Action]
-    source: str = "measured"  # measured (pp logs) | profiler | theory
+    source: str = "measured"  # spans | measured (pp logs) | profiler | theory
     meta: dict = field(default_factory=dict)
 
     def compute(self) -> list[Action]:
@@ -88,13 +90,6 @@ class Timeline:
             "n_actions": len(comp),
             "n_ranks": len(ranks),
         }
-
-    def trim_waits(self) -> "Timeline":
-        """This log-measured timeline with what waiting is left cut out: `labkit.logs.intervals.trim_waits`,
-        where the rules for taking waits out live (taught in notebook 06)."""
-        from .logs.intervals import trim_waits  # lazily: labkit.logs builds on this module
-
-        return trim_waits(self)
 
     def to_json(self) -> dict:
         """`actions`: compute only (F/B/I/W); `comms`: SEND/RECV where the logs show them; times from

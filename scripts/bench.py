@@ -16,7 +16,8 @@ pair, because these machines are noisy: never compare absolute times across runs
 4. parser throughput at 10k, 100k, 1M lines (and whether time grows linearly), and the whole
    log -> timeline path beside it;
 5. the notebook suite under nbval (wall time);
-6. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
+6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control);
+7. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
 """
 
 from __future__ import annotations
@@ -159,6 +160,33 @@ def capture_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> d
     return {"capture": {**_spread([x for ps in logged for x in ps]), "method": "within jobs, step pairs",
                         "jobs": n, "steps": steps},
             "control": {**_spread([x for ps in control for x in ps]), "method": "same jobs without TORCH_LOGS (A/A)"}}
+
+
+def spans_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> dict:
+    """Span recording's cost step by step inside each job (labkit.spans; 1F1B, 2 ranks, 4 microbatches).
+
+    The reference job's `--spans-ab` turns recording on and off between steps in the same pairs as
+    the capture A/B, without PP logs (spans alone); `spans` is the median of (recording step / silent
+    step) over every pair of n jobs; `control` is the A/A test of the capture benchmark's kind (the
+    same jobs, recording off on both sides of each pair)."""
+    cfg = _capture_config(preset, steps)
+
+    def in_job(ab: bool) -> list[float]:
+        r = _reference_job(cfg, False, ["--spans-ab"] if ab else [])
+        on = r.get("step_spans") or [worker_pairs(i) for i in range(len(r["step_time_s"]))]
+        return _on_off_pairs(r["step_time_s"], on)
+
+    rec, control = _pairs(lambda: in_job(True), lambda: in_job(False), n)
+    return {"spans": {**_spread([x for ps in rec for x in ps]), "method": "within jobs, step pairs",
+                      "jobs": n, "steps": steps},
+            "control": {**_spread([x for ps in control for x in ps]), "method": "same jobs, no recording (A/A)"}}
+
+
+def worker_pairs(step: int) -> bool:
+    """The step pairing of the in-job A/B (labkit.worker.pp_logs_on_step), for the A/A control."""
+    from labkit.worker import pp_logs_on_step
+
+    return pp_logs_on_step(step)
 
 
 def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between_jobs: int = 3,
@@ -409,6 +437,9 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
                           between_jobs=1 if quick else 3, between_steps=4 if quick else 10)
     res["capture_overhead_ratio"], res["profiler_overhead_ratio"] = co["capture"]["ratio"], co["profiler"]["ratio"]
     res["capture_overhead"] = co
+    say("span recording overhead")
+    so = spans_within_jobs(n=1 if quick else 3, steps=8 if quick else 80, preset="tiny" if quick else "small")
+    res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], so
     say("fidelity")
     res["fidelity"] = fidelity(shapes=((2, 4),) if quick else ((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)),
                                fwd_ms=20 if quick else 30, bwd_ms=40 if quick else 60)
@@ -462,6 +493,17 @@ def _capture_detail_rows(co: dict) -> list[str]:
     ]
 
 
+def _spans_rows(so: dict | None) -> list[str]:
+    if not so:
+        return []
+    r, aa = so["spans"], so["control"]
+    return [f"| span recording overhead (step time, spans on / off, within {r['jobs']} jobs of {r['steps']} steps; "
+            f"median of {len(r['pair_ratios'])} step pairs{', measured ' + so['date'] if so.get('date') else ''}) | "
+            f"{r['ratio']:.3f}x | <= 1.03x | "
+            f"{'yes' if r['ratio'] <= 1.03 else 'no'} |",
+            f"| span recording: A/A control (same jobs, no recording) | {aa['ratio']:.3f}x | ~1 | - |"]
+
+
 def markdown(res: dict) -> str:
     f = res["fidelity"]
     worst = max(abs(r["measured_bubble"] - r["ideal_bubble"]) for r in f) if f else float("nan")
@@ -475,6 +517,7 @@ def markdown(res: dict) -> str:
         *_launch_detail_rows(res.get("launch_overhead") or {}),
         f"| PP log capture overhead (step time, +pp to files / none) | {res['capture_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['capture_overhead_ratio'] <= 1.05 else 'no'} |",
         *_capture_detail_rows(res.get("capture_overhead") or {}),
+        *_spans_rows(res.get("spans_overhead")),
         f"| profiler overhead (step time, profiler / none) | {res['profiler_overhead_ratio']:.3f}x | (reported) | - |",
         f"| fidelity: worst abs(measured - ideal) bubble, {len(f)} shapes | {worst:.3f} | <= 0.05 | {'yes' if worst <= 0.05 else 'no'} |",
     ]
@@ -525,7 +568,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast subset (smoke test)")
     ap.add_argument("--no-notebooks", action="store_true")
     ap.add_argument("--out", default=str(BENCH_DIR))
-    ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks"],
+    ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -534,6 +577,9 @@ def main(argv=None) -> int:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         if "live_ranks" in a.only:
             res["live_ranks"] = {**live_ranks(), "date": stamp}
+        if "spans" in a.only:
+            so = spans_within_jobs()
+            res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], {**so, "date": stamp}
         if "notebooks" in a.only:
             res["notebook_suite_s"], res["notebook_suite_date"] = notebook_suite(), stamp
     else:

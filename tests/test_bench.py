@@ -95,13 +95,21 @@ def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
     (steps 0 and 3 of 4: 2 steps x 4 microbatches forwards per stage), and step times for all."""
     from labkit.config import RunConfig
     from labkit.logs import timeline_from_path
+    from labkit.spans import timeline_from_spans
 
     cfg = RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset="tiny", steps=4)
-    r = bench._reference_launch(cfg, runs, ["--log-ab"])
+    r = bench._reference_launch(cfg, runs, ["--log-ab", "--spans-ab"])
     assert r.result["step_pp_logs"] == [True, False, False, True] and len(r.result["step_time_s"]) == 4
     tl = timeline_from_path(r.run_dir)
     forwards = Counter(a.stage for a in tl.compute() if a.kind == "F")
     assert forwards == {0: 2 * 4, 1: 2 * 4}, forwards
+    # the span-overhead A/B, in the same job: spans of the recording steps only
+    assert r.result["step_spans"] == [True, False, False, True]
+    spans = timeline_from_spans(r.run_dir)
+    assert spans.meta["steps"] == 2 and Counter(a.stage for a in spans.compute() if a.kind == "F") == forwards
+    rows = "\n".join(bench._spans_rows({"spans": {"ratio": 1.01, "pair_ratios": [1.01], "jobs": 1, "steps": 4},
+                                        "control": {"ratio": 1.0, "pair_ratios": [1.0]}}))
+    assert "span recording overhead" in rows and "1.010x | <= 1.03x | yes" in rows
 
 
 def test_capture_overhead_within_jobs_and_its_table_rows():

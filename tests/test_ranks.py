@@ -153,6 +153,8 @@ def test_a_pipelining_cell_has_its_own_timeline(pool):
     tl = pool.timeline()
     assert tl.counts() == {(0, "F"): 2, (0, "B"): 2, (1, "F"): 2, (1, "B"): 2}
     assert tl.ranks == [0, 1] and tl.meta["schedule"] == "ScheduleGPipe"
+    assert tl.source == "spans"  # both ends of every action measured in the ranks (labkit.spans)
+    assert all(a.end > a.start for a in tl.compute())
     # A cell that only steps the schedule built earlier: its own log, the schedule still named.
     t = time.perf_counter()
     pool.exec(STEP)
@@ -160,7 +162,10 @@ def test_a_pipelining_cell_has_its_own_timeline(pool):
     tl2 = pool.timeline()
     assert tl2.counts() == tl.counts() and tl2.meta["schedule"] == "ScheduleGPipe"
     assert min(a.start for a in tl2.actions) > max(a.end for a in tl.actions)
-    assert sorted(p.name for p in pool.cell_dir().iterdir()) == ["cell.py", "rank0.log", "rank1.log"]
+    assert sorted(p.name for p in pool.cell_dir().iterdir()) == ["cell.py", "rank0.log", "rank1.log", "spans"]
+    assert sorted(p.name for p in (pool.cell_dir() / "spans").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    report = pool.idle()  # where the step's idle time went, from the cell's spans
+    assert report.source == "spans" and set(report.idle) == {0, 1}
     print(f"build+step cell {first:.3f} s, step-only cell {step:.4f} s")
     with pytest.raises(RanksError, match="no pipelining actions"):
         pool.exec("pass")

@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-ab", action="store_true",
                    help="benchmark: PP debug logs on for half the steps and off for the other half, in "
                         "alternating pairs (result.json: step_pp_logs)")
+    p.add_argument("--spans-ab", action="store_true",
+                   help="benchmark: span recording (labkit.spans) on for half the steps and off for the other "
+                        "half, in the same alternating pairs (result.json: step_spans)")
     return p.parse_args(argv)
 
 
@@ -45,10 +48,22 @@ def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
     return cfg
 
 
-def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None):
+def _spans_recorder():
+    from ..spans.record import recorder
+
+    rec = recorder()
+    if rec is None:
+        raise RuntimeError("--spans-ab: no span recorder in this rank (launch the job with labkit.run, which "
+                           "records spans in every rank)")
+    return rec
+
+
+def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None,
+              spans_ab: bool = False):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
+    spans_ab: the same for span recording (labkit.spans.record);
     inputs: (args, kwargs) this rank passes to step (default: the tokens on the first stage; a
     transformers model adds masks and position ids, labkit.models.adapter);
     after_backward(stages): before the gradients are read or applied (tied weights' all-reduce)."""
@@ -59,9 +74,12 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     step_times, step_losses = [], []
     worker.reset_peak_memory(d.device)
     switch = worker.PPLogSwitch() if log_ab else None
+    spans = _spans_recorder() if spans_ab else None
     for step in range(cfg.steps):
         if switch:
             switch.set(worker.pp_logs_on_step(step))
+        if spans_ab and spans is not None:
+            spans.enabled = worker.pp_logs_on_step(step)
         losses: list = []
         args, model_kwargs = inputs if inputs is not None else (((x,) if has_first else ()), {})
         kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
@@ -120,7 +138,8 @@ def main(argv=None) -> int:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab,
-                                                   model.step_inputs(stages, x, model_kwargs), model.after_backward)
+                                                   model.step_inputs(stages, x, model_kwargs), model.after_backward,
+                                                   a.spans_ab)
     peak = worker.peak_memory_bytes(d.device)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
@@ -148,6 +167,8 @@ def main(argv=None) -> int:
         )
         if a.log_ab:  # which steps logged (the capture-overhead benchmark)
             result["step_pp_logs"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
+        if a.spans_ab:  # which steps recorded spans (the span-overhead benchmark)
+            result["step_spans"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
         worker.write_result(out_dir, d, check, **result)
         print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks, {cfg.n_stages} stages, {cfg.n_microbatches} "
               f"microbatches: pipelined step {check.verdict()}", flush=True)

@@ -4,7 +4,8 @@ checks made before anything starts (nodes, one GPU per rank).
 Single-node jobs rendezvous on 127.0.0.1 on an OS-chosen port (`labkit.rendezvous`); multi-node
 jobs use torchrun's static rendezvous, so `--node-rank` decides global ranks. The kit's own jobs
 run as modules of the installed package (`-m labkit.jobs.train`): nothing reads the repository's
-folders and no PYTHONPATH is edited. Taught in notebook 00.
+folders. PYTHONPATH gets one folder first, the kit's `labkit/spans/boot` (a sitecustomize that
+records spans when torch's pipelining is imported). Taught in notebook 00.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from ..clean import OWNER_VAR, RUN_DIR_VAR, owner_token
 from ..config import ConfigError
 from ..rendezvous import BACKEND_NAME
+from ..spans.paths import BOOT_DIR, SPANS_DIR_VAR
 
 # The pipelining logger at DEBUG, with microsecond timestamps (Python's default gives whole ms).
 PP_LOG_FORMAT = "%(created).6f %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
@@ -57,6 +59,10 @@ def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, sing
     env[RUN_DIR_VAR] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells jobs where to write
     env[OWNER_VAR] = owner_token()  # who launched it: when that process dies, its ranks are orphans
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick anyway, without its warning
+    # Spans (labkit.spans): the boot folder's sitecustomize records every action's two ends in any
+    # rank that pipelines, a user's own script too; written to <run dir>/spans/rank<N>.jsonl.
+    env[SPANS_DIR_VAR] = str((run_dir / "spans").resolve())
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIR), *filter(None, [env.get("PYTHONPATH")])])
     if pp_logs:
         env["TORCH_LOGS"] = "+pp"
         env["TORCH_LOGS_FORMAT"] = PP_LOG_FORMAT

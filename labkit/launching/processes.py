@@ -7,22 +7,11 @@ torchrun starts every worker in its own session, so ending the agent alone can o
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 
-from ..clean import kill_all
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL): no orphans."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+from ..clean import kill_all, set_parent_death_signal
 
 
 def die_with_parent() -> None:

@@ -37,6 +37,9 @@ class IdleReport:
     """Per rank, seconds idle per cause (`CAUSES`)."""
     gaps: dict[int, int] = field(default_factory=dict)
     """Per rank, how many gaps between two compute actions it had (for per-action overhead)."""
+    gap_list: dict[int, list[dict]] = field(default_factory=dict)
+    """Per rank, each gap (start, end from the step's start; seconds per cause): spans only."""
+    source: str = "logs"
     cores: int | None = None
     ranks_per_machine: int | None = None
 
@@ -53,7 +56,8 @@ class IdleReport:
         return sum(self.share(r, cause) for r in self.idle) / len(self.idle)
 
     def text(self) -> str:
-        lines = [f"idle {self.total():.1%} of ranks x makespan; per cause, share of the step:"]
+        measured = " (measured from spans)" if self.source == "spans" else ""
+        lines = [f"idle {self.total():.1%} of ranks x makespan{measured}; per cause, share of the step:"]
         for cause in CAUSES:
             lines.append(f"  {cause:24s} {self.total(cause):6.1%}   per rank: "
                          + ", ".join(f"{r}: {self.share(r, cause):.1%}" for r in sorted(self.idle)))

@@ -305,10 +305,17 @@ class Ranks:
         return parse_files(sorted(self.cell_dir(cell).glob("rank*.log")))
 
     def timeline(self, cell: int | None = None):
-        """The measured `Timeline` of a cell's PP logs (the last cell by default), waits taken out."""
+        """The measured `Timeline` of a cell (the last by default): its spans (both ends of every action
+        measured in the ranks), or, for a cell without spans, its PP logs with the waits taken out."""
         from ..compare import load_timeline
 
+        from ..spans.paths import span_files
+
         d = self.cell_dir(cell)
+        if span_files(d):  # both ends of every action measured in the ranks (labkit.spans)
+            tl = load_timeline(d, "spans")
+            if tl.compute():
+                return tl
         files = {int(p.stem[4:]): p for p in d.glob("rank*.log") if p.stem[4:].isdigit() and p.stat().st_size > 0}
         if not files:
             raise RanksError(f"Cell {int(d.name)} logged no pipelining actions ({d} has no rank*.log): run a "
@@ -319,6 +326,13 @@ class Ranks:
             raise RanksError(f"Cell {int(d.name)}'s PP logs hold no forward/backward actions ({d}): did the cell "
                              f"call schedule.step()?")
         return tl
+
+    def idle(self, cell: int | None = None):
+        """Where the cell's last step's idle time went, by cause and per gap, from its spans
+        (`labkit.spans.explain_idle_spans`; `.text()` says it in words)."""
+        from ..spans import explain_idle_spans
+
+        return explain_idle_spans(self.cell_dir(cell))
 
     def status(self) -> dict:
         """Per-rank pid / alive / busy, the run directory, cells run and restarts."""

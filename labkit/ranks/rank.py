@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 from . import channel
 
@@ -178,6 +179,15 @@ def _mark_schedule(path: str, started: float) -> None:
         f.write(head + text)
 
 
+def _cell_spans(path: Path):
+    """The spans recorder (labkit.spans), writing this cell's steps to the cell's own file."""
+    from ..spans.record import install
+
+    rec = install()
+    rec.use_file(path)
+    return rec
+
+
 def run_cell(msg: dict, ns: dict, link: Link) -> dict:
     from ..launching.command import PP_LOG_FORMAT
 
@@ -189,6 +199,7 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
     handler.setFormatter(logging.Formatter(PP_LOG_FORMAT))
     pp = logging.getLogger(PP_LOGGER)
     pp.addHandler(handler)
+    spans = _cell_spans(Path(log_path).parent / "spans" / f"rank{Path(log_path).stem[4:]}.jsonl")
     STATE.cell = n
     started = time.time()
     try:
@@ -216,6 +227,8 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
                 pass
         pp.removeHandler(handler)
         handler.close()
+        if spans is not None:
+            spans.use_file(None)  # this cell's spans are written; nothing later lands in its file
     _mark_schedule(log_path, started)
     if reply["ok"]:
         value = reply["value"]

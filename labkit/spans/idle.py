@@ -1,0 +1,84 @@
+"""Where a step's idle time went, measured from spans: every gap of every rank, by cause.
+
+A rank is idle whenever none of its compute spans covers the moment. Each idle moment gets one cause
+(`labkit.logs.gaps.CAUSES`, the same four the log-based reading uses), here from measurements:
+
+- **fill / drain**: before the rank's first compute of the step or after its last;
+- **waiting for a neighbour**: inside a WAIT span for a receive (torch waiting for an activation or
+  a gradient that another rank had not sent yet);
+- **sends and receives**: inside a SEND / RECV span (posting them) or a WAIT for sends only;
+- **runtime overhead**: the rest: time between two actions that is neither a wait nor a transfer
+  (the schedule's Python, the loss on the last stage, bookkeeping, and on a machine with fewer cores
+  than ranks, waiting for a core).
+
+The causes add up to the spans' idle time exactly (the bubble). Taught in notebook 06.
+"""
+
+from __future__ import annotations
+
+from ..logs.gaps import CAUSES, IdleReport
+from ..timeline import COMPUTE_KINDS
+from .read import Span, read_spans, select_step
+
+__all__ = ["explain_idle_spans"]
+
+
+def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    pieces = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, end = 0.0, lo
+    for a, b in pieces:
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | None = None,
+                       ranks_per_machine: int | None = None) -> IdleReport:
+    """Every rank's idle time in one step (`which`: last by default), by cause, with each gap listed
+    (`report.gap_list[rank]`: start, end and seconds per cause, times from the step's start)."""
+    if isinstance(spans_or_path, list):
+        spans = spans_or_path
+    else:
+        spans, _ = read_spans(spans_or_path)
+    spans = select_step(spans, which)
+    comp = [s for s in spans if s.kind in COMPUTE_KINDS]
+    report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans")
+    if not comp:
+        return report
+    start, end = min(s.start for s in comp), max(s.end for s in comp)
+    report.makespan = end - start
+    for rank in sorted({s.rank for s in comp}):
+        mine = sorted((s for s in comp if s.rank == rank), key=lambda s: (s.start, s.end))
+        waits = [(s.start, s.end) for s in spans if s.rank == rank and s.kind == "WAIT" and s.what in ("recv", "both")]
+        comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in ("SEND", "RECV") or
+                                                                         (s.kind == "WAIT" and s.what not in ("recv", "both")))]
+        causes = dict.fromkeys(CAUSES, 0.0)
+        causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))
+        gaps = []
+        busy_until = mine[0].end
+        for s in mine[1:]:
+            g0, g1 = busy_until, s.start
+            busy_until = max(busy_until, s.end)
+            if g1 <= g0:
+                continue
+            wait = _covered(waits, g0, g1)
+            in_comm = _covered(comm, g0, g1) - _overlap(waits, comm, g0, g1)
+            gap = {"start": g0 - start, "end": g1 - start, "before": f"{s.stage}{s.kind}{s.mb}",
+                   "waiting for a neighbour": wait, "sends and receives": in_comm,
+                   "runtime overhead": (g1 - g0) - wait - in_comm}
+            gaps.append(gap)
+            for cause in CAUSES[1:]:
+                causes[cause] += gap[cause]
+        report.idle[rank] = causes
+        report.gaps[rank] = len(gaps)
+        report.gap_list[rank] = gaps
+    return report
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of [lo, hi] covered by both unions (a wait inside a post, which nesting cannot make: 0
+    in practice; kept so that the causes never count a moment twice)."""
+    both = [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b if min(x1, y1) > max(x0, y0)]
+    return _covered(both, lo, hi)

@@ -1,0 +1,110 @@
+"""Spans files back into a `Timeline` (source "spans"): every action with its measured start and end.
+
+A spans file (`labkit.spans.record`) holds one JSON line per span: compute (F, B, I, W: stage,
+microbatch), posting sends / receives (SEND, RECV) and waiting for them (WAIT, with `what`:
+recv, send or both), numbered by step, on one clock per machine (device time on CUDA). On the
+timeline, a WAIT is drawn as the transfer it waited for (RECV when it waited for a receive, else
+SEND); `labkit.spans.idle` reads the raw spans to say where idle time went.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from ..timeline import COMPUTE_KINDS, Action, Timeline
+from .paths import span_files
+
+__all__ = ["Span", "read_spans", "timeline_from_spans", "has_spans"]
+
+
+class Span(NamedTuple):
+    rank: int
+    step: int
+    kind: str      # F B I W | SEND RECV (posting) | WAIT
+    stage: int     # -1 for communication
+    mb: int        # -1 for communication
+    start: float
+    end: float
+    what: str = ""  # WAIT / SEND / RECV: recv, send or both
+
+
+def has_spans(path) -> bool:
+    return bool(span_files(path))
+
+
+def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
+    """(spans sorted by rank and start, {rank: the file's meta line}) of a run / cell directory or file."""
+    files = span_files(path)
+    if not files:
+        raise FileNotFoundError(f"No spans in {path}: expected spans/rank<N>.jsonl (recorded by every rank the kit "
+                                f"starts with torch's pipelining imported; see labkit.spans).")
+    spans, meta = [], {}
+    for rank, f in files.items():
+        for line in f.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a rank that died mid-write
+            if "meta" in row:
+                meta[rank] = row["meta"]
+                continue
+            if "begin_step" in row:
+                meta.setdefault(rank, {}).setdefault("schedules", {})[int(row["begin_step"])] = row.get("schedule", "")
+                continue
+            spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
+                              int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", "")))
+    spans.sort(key=lambda s: (s.rank, s.start, s.end))
+    return spans, meta
+
+
+def _steps(spans: list[Span]) -> list[int]:
+    return sorted({s.step for s in spans if s.kind in COMPUTE_KINDS})
+
+
+def select_step(spans: list[Span], which: str | int = "all") -> list[Span]:
+    """`all`, `last` / `first` (per rank: the rank's last or first step with compute), or a step index."""
+    if which == "all":
+        return spans
+    out = []
+    for rank in sorted({s.rank for s in spans}):
+        mine = [s for s in spans if s.rank == rank]
+        steps = _steps(mine)
+        if not steps:
+            continue
+        k = steps[-1] if which == "last" else steps[0] if which == "first" else int(which)
+        out += [s for s in mine if s.step == k]
+    return out
+
+
+def timeline_from_spans(path, which: str | int = "all") -> Timeline:
+    """The measured timeline of a run directory, a live-ranks cell directory, or spans files."""
+    spans, meta = read_spans(path)
+    spans = select_step(spans, which)
+    acts = []
+    for rank in sorted({s.rank for s in spans}):
+        mine = [s for s in spans if s.rank == rank]  # in start order (read_spans sorts)
+        last_stage = next((s.stage for s in reversed(mine) if s.kind in COMPUTE_KINDS), 0)
+        row = last_stage  # a transfer is drawn in the row of the stage that computes next (last at the end)
+        for s in reversed(mine):
+            if s.kind in COMPUTE_KINDS:
+                row = s.stage
+                acts.append(Action(s.rank, s.stage, s.mb, s.kind, s.start, s.end))
+            else:
+                kind = s.kind if s.kind != "WAIT" else ("RECV" if s.what in ("recv", "both") else "SEND")
+                acts.append(Action(s.rank, row, -1, kind, s.start, s.end))
+    steps_per_rank = {str(r): len(_steps([s for s in spans if s.rank == r])) for r in sorted({s.rank for s in spans})}
+    clocks = sorted({m.get("clock", "?") for m in meta.values()})
+    kept = {(s.rank, s.step) for s in spans}
+    names = [name for r, m in sorted(meta.items()) for k, name in sorted(m.get("schedules", {}).items())
+             if (r, k) in kept and name]
+    tl = Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), source="spans", meta={
+        "schedule": names[-1] if names else None, "steps": max(steps_per_rank.values(), default=0), "steps_per_rank": steps_per_rank,
+        "clock": clocks[0] if len(clocks) == 1 else clocks, "torch": next((m.get("torch") for m in meta.values()), None),
+        "files": [str(f) for f in span_files(path).values()],
+        "starts": "measured: both ends of every action (labkit.spans)"})
+    return tl
+

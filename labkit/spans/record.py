@@ -1,0 +1,282 @@
+"""Recording spans inside a rank: both ends of every pipelining action, on the device's clock.
+
+`install()` patches torch's pipelining classes once per process (class attributes, so every stage
+and schedule a script builds is covered, with no change to the script):
+
+- compute: `_PipelineStageBase.forward_one_chunk` (F), `backward_one_chunk` (B, or I when the
+  schedule splits the backward: `full_backward=False`) and `backward_weight_one_chunk` (W). The
+  schedules wait for incoming tensors outside these calls, so a span is the action's own work, in
+  every schedule (GPipe and 1F1B included, which log only when an action ends) and for both halves
+  of an OVERLAP_F_B pair (the runtime calls them one after the other);
+- communication: `schedules._batch_p2p` (posting sends / receives: kind SEND or RECV) and
+  `schedules._wait_batch_p2p` (waiting for them: kind WAIT, `what` says recv, send or both);
+- steps: each schedule class's `step` / `eval`: spans are numbered by step and written when a step
+  ends, one JSON line each, to the current file (`spans/rank<N>.jsonl` in a run directory, or a
+  live-ranks cell's own file).
+
+Clocks: on CPU a span's ends are `time.time()` (one clock for every rank of a machine, the clock
+the PP logs use). On CUDA the ends are CUDA events recorded on the current stream around the action
+and read after the step (one synchronize per step); they are placed on the host clock through one
+event recorded right after a synchronize at the step's start: device times, not the host's enqueue
+times. Cost on CPU: two clock reads and one list append per action (bench: at most 1.03x per step).
+
+Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
+`LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
+directly. Read back by `labkit.spans.read`. Taught in notebook 06.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+
+from .paths import OFF_VAR, SPANS_DIR_VAR
+COMPUTE = ("F", "B", "I", "W")
+
+_clock = time.time
+
+
+class Recorder:
+    """The spans of one process. `path`: the file a step's spans go to (None: kept until one is set)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, rank: int | None = None):
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.path = Path(path) if path else None
+        self.enabled = os.environ.get(OFF_VAR, "1") != "0"
+        self.buf: list[list] = []      # [kind, stage, mb, start, end, what]; start/end: float or CUDA event
+        self.step = 0
+        self.depth = 0                 # nested step()/eval() calls count once
+        self.p2p_depth = 0
+        self.tags: dict[int, str] = {}  # id(work) -> "send" | "recv" | "both", this step's works
+        self.cuda = None               # (host time, event) of the current step's base, on CUDA
+        self.device = None             # torch.device of the stages seen (cuda: events)
+        self.meta_written: set[Path] = set()
+        self.schedule = ""              # the class of the schedule whose step is running
+
+    # ---- clocks
+    def _on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _base(self):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        ev = torch.cuda.Event(enable_timing=True)
+        t0 = _clock()
+        ev.record()
+        self.cuda = (t0, ev)
+
+    def now(self):
+        """A span's end: the host clock on CPU, a CUDA event on the current stream on CUDA."""
+        if self._on_cuda():
+            import torch
+
+            if self.cuda is None:
+                self._base()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return _clock()
+
+    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "") -> None:
+        self.buf.append([kind, stage, mb, start, end, what])
+
+    # ---- steps
+    def begin_step(self, schedule: str = "") -> None:
+        self.depth += 1
+        if self.depth == 1 and schedule:
+            self.schedule = schedule
+        if self.depth == 1 and self._on_cuda():
+            self._base()
+
+    def end_step(self) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step."""
+        if not self.buf:
+            self.tags.clear()
+            return
+        rows = self._resolve(self.buf)
+        self.buf, step = [], self.step
+        self.step += 1
+        self.tags.clear()
+        self.cuda = None
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            if self.path not in self.meta_written:
+                self.meta_written.add(self.path)
+                f.write(json.dumps({"meta": self.meta()}) + "\n")
+            f.write(json.dumps({"begin_step": step, "schedule": self.schedule}) + "\n")
+            for kind, stage, mb, s, e, what in rows:
+                row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
+                       "start": round(s, 7), "end": round(e, 7)}
+                if what:
+                    row["what"] = what
+                f.write(json.dumps(row) + "\n")
+
+    def _resolve(self, buf: list[list]) -> list[list]:
+        if not any(not isinstance(x[3], float) for x in buf):
+            return buf
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        t0, base = self.cuda if self.cuda is not None else (None, None)
+        out = []
+        for kind, stage, mb, s, e, what in buf:
+            if isinstance(s, float):
+                out.append([kind, stage, mb, s, e, what])
+            else:
+                out.append([kind, stage, mb, t0 + base.elapsed_time(s) / 1e3, t0 + base.elapsed_time(e) / 1e3, what])
+        return out
+
+    def meta(self) -> dict:
+        import torch
+
+        return {"rank": self.rank, "pid": os.getpid(), "torch": torch.__version__,
+                "clock": "cuda events (device time, placed on the host clock at each step's start)"
+                if self._on_cuda() else "host (time.time)", "hooks": sorted(_PATCHED)}
+
+    def use_file(self, path: str | os.PathLike | None) -> None:
+        """Send the next steps' spans to `path` (a live-ranks cell's file); what is buffered goes first."""
+        self.flush()
+        self.path = Path(path) if path else None
+
+
+RECORDER: Recorder | None = None
+_PATCHED: set[str] = set()
+
+
+def recorder() -> Recorder | None:
+    return RECORDER
+
+
+def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -> Recorder:
+    """Record spans in this process (idempotent). `out_dir`: where `rank<N>.jsonl` goes (default:
+    $LABKIT_SPANS_DIR; none: kept in memory until `Recorder.use_file`)."""
+    global RECORDER
+    if RECORDER is None:
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        out_dir = out_dir or os.environ.get(SPANS_DIR_VAR)
+        RECORDER = Recorder(Path(out_dir) / f"rank{rank}.jsonl" if out_dir else None, rank)
+        _patch()
+        atexit.register(RECORDER.flush)
+    return RECORDER
+
+
+def _patch() -> None:
+    from torch.distributed.pipelining import schedules, stage
+
+    base = stage._PipelineStageBase
+    for name, kind_of in (("forward_one_chunk", lambda a, k: "F"),
+                          ("backward_one_chunk", _backward_kind),
+                          ("backward_weight_one_chunk", lambda a, k: "W")):
+        if name in vars(base) and name not in _PATCHED:
+            setattr(base, name, _compute_wrapper(getattr(base, name), kind_of))
+            _PATCHED.add(name)
+    if hasattr(schedules, "_batch_p2p") and "_batch_p2p" not in _PATCHED:
+        schedules._batch_p2p = _post_wrapper(schedules._batch_p2p)
+        _PATCHED.add("_batch_p2p")
+    if hasattr(schedules, "_wait_batch_p2p") and "_wait_batch_p2p" not in _PATCHED:
+        schedules._wait_batch_p2p = _wait_wrapper(schedules._wait_batch_p2p)
+        _PATCHED.add("_wait_batch_p2p")
+    for obj in list(vars(schedules).values()):
+        if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule):
+            for name in ("step", "eval"):
+                key = f"{obj.__name__}.{name}"
+                if name in vars(obj) and key not in _PATCHED:
+                    setattr(obj, name, _step_wrapper(vars(obj)[name]))
+                    _PATCHED.add(key)
+
+
+def _backward_kind(args, kwargs) -> str:
+    full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+    return "B" if full else "I"
+
+
+def _compute_wrapper(inner, kind_of):
+    def wrapper(self, chunk_id, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled:
+            return inner(self, chunk_id, *args, **kwargs)
+        if rec.device is None:
+            rec.device = getattr(self, "device", None)
+        start = rec.now()
+        out = inner(self, chunk_id, *args, **kwargs)
+        rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, rec.now())
+        return out
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    wrapper.__name__ = inner.__name__
+    wrapper.__doc__ = inner.__doc__
+    return wrapper
+
+
+def _direction(ops) -> str:
+    names = {getattr(getattr(p, "op", None), "__name__", "") for p in ops}
+    send, recv = any("send" in n for n in names), any("recv" in n for n in names)
+    return "both" if send and recv else ("recv" if recv else "send")
+
+
+def _post_wrapper(inner):
+    def wrapper(p2p_ops, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled or rec.p2p_depth:
+            return inner(p2p_ops, *args, **kwargs)
+        rec.p2p_depth += 1
+        try:
+            start = rec.now()
+            works = inner(p2p_ops, *args, **kwargs)
+            end = rec.now()
+        finally:
+            rec.p2p_depth -= 1
+        if p2p_ops:
+            what = _direction(p2p_ops)
+            for w in works or []:
+                rec.tags[id(w)] = what
+            rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what)
+        return works
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wait_wrapper(inner):
+    def wrapper(works, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled or not works:
+            return inner(works, *args, **kwargs)
+        tags = {rec.tags.get(id(w), "?") for w in works}
+        what = "both" if "both" in tags or {"send", "recv"} <= tags else ("recv" if "recv" in tags else
+                                                                          ("send" if "send" in tags else "?"))
+        start = rec.now()
+        out = inner(works, *args, **kwargs)
+        rec.add("WAIT", -1, -1, start, rec.now(), what)
+        return out
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _step_wrapper(inner):
+    def wrapper(self, *args, **kwargs):
+        rec = RECORDER
+        if rec is None:
+            return inner(self, *args, **kwargs)
+        rec.begin_step(type(self).__name__)
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            rec.end_step()
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    wrapper.__name__ = inner.__name__
+    wrapper.__doc__ = inner.__doc__
+    return wrapper

@@ -1,0 +1,185 @@
+"""Spans (labkit.spans): both ends of every action measured in every rank the kit starts.
+
+Stated tolerances: spans vs the profiler's view (the kit's stage annotations) on the same profiled
+run: +-0.03 bubble fraction, identical action counts. A user's plain script run with `labkit launch`
+gets spans with no change to it; time outside any action (a loss function that sleeps) is found as
+runtime overhead. On CUDA the ends are device events, read after the step (stand-ins here).
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from labkit.compare import load_timeline, one_step
+from labkit.spans import explain_idle_spans, read_spans, timeline_from_spans
+from labkit.spans import record as rec_mod
+from labkit.spans.read import Span
+
+from conftest import labkit_cli
+
+
+# ---- the recorder, with stand-ins for CUDA ---------------------------------------------------------
+
+class FakeEvent:
+    """A CUDA event on a fake device clock: `record()` stamps the device time, `elapsed_time` in ms."""
+    device_now = 0.0
+    recorded: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "span events must be timing events"
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = FakeEvent.device_now
+        FakeEvent.recorded.append(self)
+
+    def elapsed_time(self, other):
+        assert FakeEvent.synchronized, "events are read only after a synchronize"
+        return (other.t - self.t) * 1e3
+
+
+def test_on_cuda_the_ends_are_device_events_read_after_the_step(monkeypatch, tmp_path):
+    FakeEvent.device_now, FakeEvent.recorded, FakeEvent.synchronized = 0.0, [], False
+
+    def synchronize(device=None):
+        FakeEvent.synchronized = True
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    host = iter([1000.0, 5000.0, 9000.0])  # host clock reads: only the step's base may use it
+    monkeypatch.setattr(rec_mod, "_clock", lambda: next(host))
+    r = rec_mod.Recorder(tmp_path / "rank0.jsonl", rank=0)
+    r.device = types.SimpleNamespace(type="cuda")
+    r.begin_step("Schedule1F1B")          # synchronize, host time 1000.0, base event at device 0.0
+    FakeEvent.synchronized = False
+    FakeEvent.device_now = 0.25
+    start = r.now()
+    FakeEvent.device_now = 0.75          # the kernels ran on the device until 0.75 s after the base
+    end = r.now()
+    assert not isinstance(start, float) and not isinstance(end, float), "CUDA spans must not be host times"
+    r.add("F", 0, 0, start, end)
+    r.end_step()
+    rows = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert rows[0]["meta"]["clock"].startswith("cuda events")
+    span = rows[-1]
+    assert (span["kind"], span["start"], span["end"]) == ("F", 1000.25, 1000.75)
+
+
+def test_the_cpu_clock_is_the_host_clock(tmp_path):
+    r = rec_mod.Recorder(tmp_path / "rank3.jsonl", rank=3)
+    r.begin_step("ScheduleGPipe")
+    a = r.now()
+    b = r.now()
+    r.add("B", 1, 2, a, b)
+    r.end_step()
+    spans, meta = read_spans(tmp_path)
+    assert spans == [Span(3, 0, "B", 1, 2, pytest.approx(a, abs=1e-6), pytest.approx(b, abs=1e-6), "")]
+    assert meta[3]["clock"] == "host (time.time)" and meta[3]["schedules"] == {0: "ScheduleGPipe"}
+
+
+# ---- idle time by cause ------------------------------------------------------------------------------
+
+def test_idle_causes_are_measured_per_gap_and_add_up_to_the_bubble():
+    s = [Span(0, 0, "F", 0, 0, 0.0, 1.0), Span(0, 0, "SEND", -1, -1, 1.0, 1.1, "send"),
+         Span(0, 0, "WAIT", -1, -1, 1.1, 1.6, "recv"),     # waiting for a neighbour 0.5
+         # 1.6 .. 1.8: nothing recorded: runtime overhead 0.2
+         Span(0, 0, "B", 0, 0, 1.8, 3.0),
+         Span(1, 0, "WAIT", -1, -1, 0.0, 1.2, "recv"), Span(1, 0, "F", 1, 0, 1.2, 2.0),
+         Span(1, 0, "B", 1, 0, 2.0, 2.7)]
+    rep = explain_idle_spans(s)
+    assert rep.source == "spans" and rep.makespan == pytest.approx(3.0)
+    c0, c1 = rep.idle[0], rep.idle[1]
+    assert c0["waiting for a neighbour"] == pytest.approx(0.5)
+    assert c0["sends and receives"] == pytest.approx(0.1)
+    assert c0["runtime overhead"] == pytest.approx(0.2)
+    assert c0["fill / drain"] == pytest.approx(0.0)
+    assert c1["fill / drain"] == pytest.approx(1.2 + 0.3)  # before its first action, after its last
+    assert rep.gap_list[0] == [pytest.approx({"start": 1.0, "end": 1.8, "before": "0B0", "waiting for a neighbour": 0.5,
+                                              "sends and receives": 0.1, "runtime overhead": 0.2})]
+    tl_idle = {0: 3.0 - 2.2, 1: 3.0 - 1.5}
+    for r in (0, 1):
+        assert sum(rep.idle[r].values()) == pytest.approx(tl_idle[r])  # the causes add up to the idle time
+
+
+# ---- real jobs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_spans_and_the_profiler_agree_on_the_same_run(schedule, runs):
+    out = runs / schedule
+    r = subprocess.run(labkit_cli("run", "--schedule", schedule, "--preset", "tiny", "--microbatches", "4",
+                                  "--steps", "1", "--device", "cpu", "--profile", "--out", str(out), "--quiet"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    spans = one_step(load_timeline(out, "spans"))
+    prof = one_step(load_timeline(out, "profiler"))
+    assert spans.source == "spans" and load_timeline(out).source == "spans"  # the default where spans exist
+    assert spans.counts() == prof.counts()
+    assert all(a.end > a.start for a in spans.compute())
+    b_spans, b_prof = spans.metrics()["bubble_fraction"], prof.metrics()["bubble_fraction"]
+    print(f"{schedule}: bubble from spans {b_spans:.3f}, from the profiler {b_prof:.3f}")
+    assert abs(b_spans - b_prof) <= 0.03
+    j = json.loads(subprocess.run(labkit_cli("timeline", str(out), "--json"), capture_output=True, text=True).stdout)
+    assert j["source"] == "spans"
+    j = json.loads(subprocess.run(labkit_cli("timeline", str(out), "--json", "--source", "logs"),
+                                  capture_output=True, text=True).stdout)
+    assert j["source"] == "logs" and "inferred" in j["meta"]["starts"]
+
+
+USER_SCRIPT = """
+import os, time
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+stage_mod = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+
+def slow_loss(out, target):          # runs on the last rank between its F and its B, outside both
+    time.sleep(0.02)
+    return nn.functional.mse_loss(out, target)
+
+sched = Schedule1F1B(stage, n_microbatches=4, loss_fn=slow_loss)
+x, y = torch.randn(16, 32), torch.randn(16, 32)
+for _ in range(2):
+    if rank == 0:
+        sched.step(x)
+    elif rank == world - 1:
+        sched.step(target=y)
+    else:
+        sched.step()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
+    script = tmp_path / "my_pipeline.py"
+    script.write_text(textwrap.dedent(USER_SCRIPT))
+    out = runs / "user"
+    r = subprocess.run(labkit_cli("launch", "--nproc", "2", "--out", str(out), "--quiet", str(script)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tl = timeline_from_spans(out)
+    assert tl.meta["schedule"] == "Schedule1F1B" and tl.meta["steps"] == 2
+    assert tl.counts() == {(s, k): 8 for s in (0, 1) for k in ("F", "B")}  # every action, both steps
+    rep = explain_idle_spans(out)  # the last step
+    print(rep.text())
+    # rank 1 sleeps 20 ms in the loss after each of its 4 forwards: outside every action, not a wait
+    assert rep.idle[1]["runtime overhead"] >= 4 * 0.02 * 0.9, rep.idle[1]
+    assert rep.idle[0]["runtime overhead"] < 0.02, rep.idle[0]           # rank 0 has no such pause ...
+    assert rep.idle[0]["waiting for a neighbour"] >= 3 * 0.02 * 0.9       # ... it waits for rank 1's gradients
+    for rank, causes in rep.idle.items():
+        assert sum(causes.values()) == pytest.approx(rep.makespan - tl_busy(out, rank), abs=1e-6)
+
+
+def tl_busy(out, rank):
+    tl = one_step(timeline_from_spans(out))
+    return tl.metrics()["busy"][str(rank)]
