@@ -118,6 +118,9 @@ def test_spans_and_the_profiler_agree_on_the_same_run(schedule, runs):
     spans = one_step(load_timeline(out, "spans"))
     prof = one_step(load_timeline(out, "profiler"))
     assert spans.source == "spans" and load_timeline(out).source == "spans"  # the default where spans exist
+    run = types.SimpleNamespace(run_dir=out)
+    from labkit.launching.rundir import Run
+    assert Run.timeline(run).source == "spans" and Run.idle(run).source == "spans"  # labkit.run(...)'s Run
     assert spans.counts() == prof.counts()
     assert all(a.end > a.start for a in spans.compute())
     b_spans, b_prof = spans.metrics()["bubble_fraction"], prof.metrics()["bubble_fraction"]

@@ -79,6 +79,19 @@ class Run:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def timeline(self, source: str = "auto"):
+        """The run's measured Timeline: its spans (both ends of every action), else its PP logs or
+        profiler traces (`labkit.compare.load_timeline`)."""
+        from ..compare import load_timeline
+
+        return load_timeline(self.run_dir, source)
+
+    def idle(self, which: str | int = "last"):
+        """Where a step's idle time went, by cause and per gap, measured from the run's spans."""
+        from ..spans import explain_idle_spans
+
+        return explain_idle_spans(self.run_dir, which)
+
     def summary(self) -> dict:
         """Deterministic facts about the run (no times, paths or pids): safe to print in a tested notebook."""
         r = self.result or {}
