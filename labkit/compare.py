@@ -111,11 +111,34 @@ def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
     return ideal
 
 
+def _run_order(path) -> dict | None:
+    """The order a --schedule-csv run ran (result.json's `order`), or None."""
+    res = Path(path) / "result.json"
+    if not (Path(path).is_dir() and res.exists()):
+        return None
+    try:
+        order = json.loads(res.read_text()).get("order")
+    except ValueError:
+        return None
+    return {int(r): acts for r, acts in order.items()} if order else None
+
+
+def order_ideal(tl: Timeline, order: dict) -> Timeline:
+    """The ideal of a run whose order was given (--schedule-csv, labkit search): that order simulated
+    with the costs fitted to the measurement (the search's prediction at the measured costs)."""
+    from .theory import fit_cost, simulate_order
+
+    ideal = simulate_order(order, cost=fit_cost(tl), meta={"schedule": "order from --schedule-csv"})
+    ideal.meta["costs"] = "fitted"
+    return ideal
+
+
 def measured_vs_ideal(path, source: str = "auto") -> tuple[Timeline, Timeline, dict]:
     """(measured step, fitted ideal, summary) of a run directory (the last step of a multi-step run)."""
     measured = one_step(load_timeline(path, source))
     shape = run_shape(measured, path if Path(path).is_dir() else None)
-    ideal = fitted_ideal(measured, shape)
+    order = _run_order(path)
+    ideal = fitted_ideal(measured, shape) if order is None else order_ideal(measured, order)
     m, i = measured.metrics(), ideal.metrics()
     summary = {"schedule": shape.schedule, "pp_size": shape.pp_size, "n_microbatches": shape.n_microbatches,
                "stages_per_rank": shape.stages_per_rank, "source": measured.source,

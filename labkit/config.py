@@ -152,6 +152,10 @@ class RunConfig:
     `models` extra (transformers)."""
     profile: bool = False
     """Also record a torch.profiler trace per rank (profile/rank<N>.json in the run directory)."""
+    schedule_csv: str | None = None
+    """A compute-only order to run instead of the schedule's own (torch's CSV format, e.g. from `labkit
+    search --csv`): row r is rank r's actions (0F1, 0I0, 0W0, ...), stage r on rank r, run on torch's
+    `_PipelineScheduleRuntime`, which adds the sends and receives. Use with --schedule 1F1B."""
     extra: dict = field(default_factory=dict, metadata={"flags": ()})
     """Free-form notes carried into result.json (never interpreted; no command-line flag)."""
 
@@ -206,6 +210,9 @@ class RunConfig:
                 f"--microbatches that divides {preset.seq_len}."
             )
         validate_microbatches(info, self.pp_size, self.n_stages, self.n_microbatches)
+        if self.schedule_csv is not None:
+            self.schedule_csv = os.path.abspath(self.schedule_csv)
+            validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank, self.inference)
 
     @property
     def info(self) -> ScheduleInfo:
@@ -315,6 +322,46 @@ def validate_model(model: str, layout: str = "batch") -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(f"--model {model} builds transformers' own {model} model, and transformers is not "
                           f"installed. Install the kit's `{MODELS_EXTRA}` extra: {MODELS_INSTALL}")
+
+
+def read_order_csv(path: str | os.PathLike) -> dict[int, list[str]]:
+    """{rank: actions} of a compute-only order CSV (torch's format: one row per rank)."""
+    import csv
+
+    with open(path, newline="") as f:
+        return {r: [c.strip() for c in row if c.strip()] for r, row in enumerate(csv.reader(f))}
+
+
+def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_rank: int | None,
+                       inference: bool = False) -> None:
+    """An order --schedule-csv can run: one row per rank, stage r on rank r, every dependency kept
+    (labkit.orders.check_order), the run's microbatch count."""
+    from .orders import check_order, parse_action
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--schedule-csv {path}: no such file. Write one with `labkit search ... --csv {path}`.")
+    if (stages_per_rank or 1) != 1 or inference:
+        raise ConfigError("--schedule-csv runs one stage per rank with a backward: use --schedule 1F1B (or GPipe) "
+                          "without --stages-per-rank or --inference.")
+    rows = read_order_csv(path)
+    if len(rows) != pp_size:
+        raise ConfigError(f"--schedule-csv {path} has {len(rows)} rows but the run has {pp_size} ranks: pass "
+                          f"--nproc {len(rows)}, or search for {pp_size} ranks (labkit search --pp-size {pp_size}).")
+    try:
+        order = {r: [parse_action(a, f"rank {r}, position {i}") for i, a in enumerate(acts)] for r, acts in rows.items()}
+    except ValueError as e:
+        raise ConfigError(f"--schedule-csv {path}: {e}") from None
+    wrong = sorted({(r, st) for r, acts in order.items() for _, st, _ in acts if st != r})
+    if wrong:
+        raise ConfigError(f"--schedule-csv {path}: rank r must run stage r (one stage per rank), but "
+                          f"{', '.join(f'rank {r} has stage {st}' for r, st in wrong[:3])}.")
+    m = 1 + max((mb for acts in order.values() for _, _, mb in acts), default=-1)
+    if m != n_microbatches:
+        raise ConfigError(f"--schedule-csv {path} schedules {m} microbatches but the run cuts the batch into "
+                          f"{n_microbatches}: pass --microbatches {m}.")
+    problems = check_order(order, pp_size, n_microbatches)
+    if problems:
+        raise ConfigError(f"--schedule-csv {path} cannot run:\n- " + "\n- ".join(problems))
 
 
 def validate_sizes(pp_size: int, n_microbatches: int) -> None:

@@ -96,5 +96,19 @@ def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None):
 
 
 def build_schedule(cfg: RunConfig, stages: list, loss_fn=None):
-    """The schedule of a RunConfig for these stages."""
+    """The schedule of a RunConfig for these stages (its --schedule-csv order when it has one)."""
+    if cfg.schedule_csv:
+        return runtime_from_csv(stages, cfg.n_microbatches, loss_fn, cfg.schedule_csv)
     return make_schedule(cfg.info, stages, cfg.n_microbatches, loss_fn)
+
+
+def runtime_from_csv(stages: list, n_microbatches: int, loss_fn, order_csv, **kwargs):
+    """torch's action runtime loaded with a compute-only order (torch adds SEND/RECV itself).
+
+    `_PipelineScheduleRuntime` + `_load_csv(path, format="compute_only")`, the route torch's own
+    docstring gives. Both names are PRIVATE in torch 2.11-2.15: this is the one place to adapt."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    schedule._load_csv(str(order_csv), format="compute_only")
+    return schedule

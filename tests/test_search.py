@@ -82,17 +82,36 @@ def test_cli_search_writes_torchs_csv_and_json(tmp_path):
     assert bad.returncode == 2 and "--cost" in bad.stderr
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows[:3], "has 3 rows but the run has 4 ranks: pass --nproc 3"),
+    (lambda rows: [r.replace("0F", "1F") if i == 0 else r for i, r in enumerate(rows)], "rank r must run stage r"),
+    (lambda rows: [",".join(a for a in r.split(",") if not a.endswith("7")) for r in rows], "pass --microbatches 7"),
+])
+def test_a_schedule_csv_that_cannot_run_is_refused_before_launch(tmp_path, edit, message):
+    from labkit.config import ConfigError, RunConfig
+    rows = search(4, 8, UNIT, memory_limit=4).csv().strip().splitlines()
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(edit(rows)) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(schedule="1F1B", pp_size=4, n_microbatches=8, preset="tiny", schedule_csv=str(path))
+
+
 def test_a_searched_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(tmp_path):
-    """The K = P order, as torch's compute-only CSV, through notebook 08's script on 4 real ranks
-    (sleeping stages): torch's runtime adds the sends, and the step equals the unsplit model's."""
+    """The K = P order, as torch's compute-only CSV, through `labkit run --schedule-csv` on 4 real
+    ranks (the tutorial model, tiny preset): torch's runtime adds the sends, the step equals the
+    unsplit model's, and the timeline is drawn beside the order simulated at the measured costs."""
     out = tmp_path / "zb.csv"
     out.write_text(search(4, 8, UNIT, memory_limit=4).csv())
     run = tmp_path / "run"
-    p = subprocess.run(labkit_cli("launch", "--nproc", "4", "--quiet", "--stream", "none", "--out", str(run),
-                                  str(REPO / "notebooks" / "scripts" / "custom_schedule.py"), "--order", str(out),
-                                  "--fwd-ms", "10", "--bwd-ms", "20"),
+    p = subprocess.run(labkit_cli("run", "--schedule", "1F1B", "--nproc", "4", "--microbatches", "8", "--preset", "tiny",
+                                  "--schedule-csv", str(out), "--quiet", "--stream", "none", "--out", str(run)),
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     result = json.loads((run / "result.json").read_text())
     assert result["reference_match"] is True and result["n_microbatches"] == 8
+    assert result["runtime"].endswith("_PipelineScheduleRuntime")
+    from labkit.compare import measured_vs_ideal
+    measured, ideal, _ = measured_vs_ideal(run)
+    assert measured.source == "spans" and ideal.meta["schedule"] == "order from --schedule-csv"
+    assert measured.counts() == ideal.counts() == {(s, k): 8 for s in range(4) for k in ("F", "I", "W")}
     assert "I" in "".join(result["order"]["0"]) and "W" in "".join(result["order"]["0"])

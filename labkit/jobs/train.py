@@ -165,6 +165,12 @@ def main(argv=None) -> int:
             step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
             profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
         )
+        if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
+            from ..config import read_order_csv
+
+            result["schedule_csv"] = cfg.schedule_csv
+            result["order"] = {str(r): acts for r, acts in read_order_csv(cfg.schedule_csv).items()}
+            result["runtime"] = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
         if a.log_ab:  # which steps logged (the capture-overhead benchmark)
             result["step_pp_logs"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
         if a.spans_ab:  # which steps recorded spans (the span-overhead benchmark)

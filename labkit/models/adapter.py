@@ -158,6 +158,11 @@ class HFAdapter:
         spec = {k: TensorChunkSpec(0) for k in self.KWARGS}  # (batch, seq): cut along the batch, as the tokens
         if self.cfg.split == "tracer":
             spec = None  # positional inputs only; the default cuts every one along dim 0
+        if self.cfg.schedule_csv:  # a searched / hand-written order on torch's runtime
+            from ..stages import runtime_from_csv
+
+            return runtime_from_csv(stages, self.cfg.n_microbatches, loss_fn, self.cfg.schedule_csv,
+                                    kwargs_chunk_spec=spec)
         target = stages if info.multi else stages[0]
         import inspect
         if "kwargs_chunk_spec" not in inspect.signature(cls.__init__).parameters:

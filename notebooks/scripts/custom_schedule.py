@@ -78,12 +78,11 @@ def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]
 
 
 def make_runtime(stages: list, n_microbatches: int, loss_fn, order_csv: str | os.PathLike):
-    """torch's action runtime, loaded with our compute-only order (torch adds SEND/RECV itself)."""
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    """torch's action runtime, loaded with our compute-only order (torch adds SEND/RECV itself):
+    `labkit.stages.runtime_from_csv`, the kit's one place that names torch's private runtime."""
+    from labkit.stages import runtime_from_csv
 
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    schedule._load_csv(str(order_csv), format="compute_only")
-    return schedule
+    return runtime_from_csv(stages, n_microbatches, loss_fn, order_csv)
 
 
 @record
