@@ -100,7 +100,9 @@ def cmd_run(a) -> int:
         print(f"labkit run: {e}", file=sys.stderr)
         return e.run.job_exitcode
     res = r.result or {}
-    print(f"[labkit] {r.status}: {res.get('schedule')} on {res.get('pp_size')} ranks, reference_match="
+    ranks = res.get("world_size") or res.get("pp_size")
+    mesh = f" (pp {res['pp_size']} x dp {res['dp_size']} x tp {res['tp_size']})" if res.get("world_size") else ""
+    print(f"[labkit] {r.status}: {res.get('schedule')} on {ranks} ranks{mesh}, reference_match="
           f"{res.get('reference_match')}, max_abs_diff={res.get('max_abs_diff', float('nan')):.2e}; run directory {r.run_dir}")
     return 0
 

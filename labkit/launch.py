@@ -179,10 +179,14 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
     if cfg.pp_size % nnodes:
         raise ConfigError(f"pp_size {cfg.pp_size} is not divisible by nnodes {nnodes}: every node runs the same "
                           f"number of ranks. Use a pp_size that is a multiple of {nnodes}.")
-    nproc = cfg.pp_size // nnodes
+    if cfg.composed and nnodes > 1:
+        raise ConfigError("--dp-size / --tp-size / --fsdp run on one node here; multi-node meshes are not wired "
+                          "into labkit run yet (notebook 10 shows the placement).")
+    nproc = cfg.world_size // nnodes
     preflight_device(cfg.device, nproc)
     preflight_torch()
-    name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}"
+    name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}" + (
+        f"-dp{cfg.dp_size}-tp{cfg.tp_size}{'-fsdp' if cfg.fsdp else ''}" if cfg.composed else "")
     r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True, pp_logs=pp_logs,
                name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,

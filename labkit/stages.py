@@ -40,7 +40,7 @@ def manual_stage_module(full: nn.Module, stage: int, n_stages: int, bounds: list
 def stage_input_example(cfg: RunConfig, stage: int, device) -> torch.Tensor:
     """One microbatch of what `stage` receives: tokens for stage 0, activations after that."""
     p = cfg.model
-    mb = cfg.batch_size // cfg.n_microbatches
+    mb = cfg.batch_size // (cfg.dp_size * cfg.n_microbatches)  # one replica's microbatch
     tokens_shape = (mb, p.seq_len)
     # batch layout: the model transposes to (seq, batch, dim); tutorial layout: no transpose
     act_shape = (p.seq_len, mb, p.dim) if cfg.layout == "batch" else (mb, p.seq_len, p.dim)

@@ -42,9 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
     cfg = RunConfig.from_json(a.config or worker.run_dir())
-    if cfg.pp_size != world_size:
-        raise ConfigError(f"config.json says pp_size {cfg.pp_size} but torchrun started {world_size} ranks: "
-                          f"launch with --nproc-per-node {cfg.pp_size} (labkit run does this for you).")
+    if cfg.world_size != world_size:
+        raise ConfigError(f"config.json says {cfg.world_size} ranks (pp {cfg.pp_size} x dp {cfg.dp_size} x tp "
+                          f"{cfg.tp_size}) but torchrun started {world_size}: launch with --nproc-per-node "
+                          f"{cfg.world_size} (labkit run does this for you).")
     return cfg
 
 
@@ -123,32 +124,50 @@ def main(argv=None) -> int:
         balance = balance_config(cfg, model, full, d.device)
         bounds = balance["bounds"]
         cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
+    par = None
+    if cfg.composed:  # a (pp, dp, tp) mesh: this rank's stage index is its pp coordinate (labkit.parallel)
+        from ..parallel import compose
+        par = compose.build_mesh(cfg, d.device)
     try:
-        stages, stage_builder = model.build_stages(full, d.rank, d.device, bounds)
+        stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
+                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group))
     except NotImplementedError as e:  # a split this model cannot take (labkit.models.hf.TRACER_ROPE)
         if d.rank == 0:
             print(f"[labkit] configuration error: {e}", file=sys.stderr, flush=True)
         worker.teardown()
         return 2
+    if par is not None:
+        compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
     loss_fn = None if cfg.inference else model.loss_fn
     schedule = model.schedule(stages, loss_fn)
-    x, y, model_kwargs = model.batch(d.device)
+    x, y, model_kwargs = model.batch(d.device)  # the whole (global) batch, the same on every rank
+    x_mine, y_mine, after_backward = x, y, model.after_backward
+    if par is not None:  # this replica's share; replicated data parallelism averages the gradients
+        x_mine, y_mine = compose.replica_share(par, x, y)
+        after_backward = compose.replicated_average(par, model.after_backward)
 
     if cfg.profile:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
-        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x, y, a.log_ab,
-                                                   model.step_inputs(stages, x, model_kwargs), model.after_backward,
+        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
+                                                   model.step_inputs(stages, x_mine, model_kwargs), after_backward,
                                                    a.spans_ab)
     peak = worker.peak_memory_bytes(d.device)
+    has_last = any(s.is_last for s in stages)
 
-    # The check: ONE forward (and backward) of the unsplit model on the WHOLE batch.
-    check = check_step(full, stages, x, y, first["losses"], cfg.n_microbatches, loss_fn, grads=first["grads"],
+    # The check: ONE forward (and backward) of the unsplit model on the WHOLE (global) batch.
+    losses, grads, n_mb, group = first["losses"], first["grads"], cfg.n_microbatches, None
+    if par is not None:  # every replica's losses, whole gradients from the shards; one check per pipeline
+        losses = compose.all_replicas_losses(par, losses, n_mb, has_last, d.device)
+        grads, n_mb, group = compose.full_grads(grads), n_mb * par.dp_size, par.pp_group
+    check = check_step(full, stages, x, y, losses, n_mb, loss_fn, grads=grads,
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
                        device=d.device, kwargs=model_kwargs, tied=model.tied_aliases,
-                       renamed=model.renamed)
-    has_last = any(s.is_last for s in stages)
-    last_rank = next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r))
+                       renamed=model.renamed, group=group)
+    if par is not None:  # every pipeline's verdict must hold
+        check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
+    last_rank = (par.global_rank(cfg.pp_size - 1) if par is not None else
+                 next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r)))
     step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)
 
     if d.rank == 0:
@@ -165,6 +184,10 @@ def main(argv=None) -> int:
             step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
             profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
         )
+        if par is not None:
+            result.update(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
+                          mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),
+                          global_batch=cfg.batch_size, checked_microbatches=n_mb)
         if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
             from ..config import read_order_csv
 
@@ -176,7 +199,8 @@ def main(argv=None) -> int:
         if a.spans_ab:  # which steps recorded spans (the span-overhead benchmark)
             result["step_spans"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
         worker.write_result(out_dir, d, check, **result)
-        print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks, {cfg.n_stages} stages, {cfg.n_microbatches} "
+        mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if par is not None else ""
+        print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks{mesh}, {cfg.n_stages} stages, {cfg.n_microbatches} "
               f"microbatches: pipelined step {check.verdict()}", flush=True)
     worker.teardown()
     return 0 if check.ok else 3

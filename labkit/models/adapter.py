@@ -37,9 +37,9 @@ class TutorialAdapter:
         from ..model import tokenwise_loss_fn
         return tokenwise_loss_fn
 
-    def build_stages(self, full, rank, device, bounds=None):
+    def build_stages(self, full, rank, device, bounds=None, group=None):
         from ..stages import build_stages
-        return build_stages(self.cfg, full, rank, device)
+        return build_stages(self.cfg, full, rank, device, group)
 
     def step_inputs(self, stages, x, kwargs):
         """(args, kwargs) this rank passes to `schedule.step`: the tokens on the first stage."""
@@ -87,8 +87,9 @@ class HFAdapter:
         from . import hf
         return hf.loss_fn
 
-    def build_stages(self, full, rank, device, bounds=None):
-        """This rank's PipelineStages and how they were built. Collective: every rank calls it (the
+    def build_stages(self, full, rank, device, bounds=None, group=None):
+        """This rank's PipelineStages and how they were built (`group`: unused, one pipeline per job).
+        Collective: every rank calls it (the
         tied weights' process group is made with `dist.new_group`, which every rank must enter)."""
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage

@@ -1,0 +1,3 @@
+"""Pipelining composed with other parallelisms: `compose` (the (pp, dp, tp) mesh of a run, data
+parallelism replicated or by FSDP2, tensor parallelism by DTensor plans, the whole-global-batch check).
+Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`)."""
