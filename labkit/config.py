@@ -163,6 +163,10 @@ class RunConfig:
     """Shard each stage over its data-parallel replicas with FSDP2 (`fully_shard`, reshard_after_forward
     False: with pipelining a stage runs several microbatches' forwards before their backwards, and
     resharding would gather the parameters again for every one); default: replicated (all-reduce)."""
+    accumulate: int = 1
+    """Gradient accumulation: G schedule steps (G global batches) per optimizer update; the check is
+    ONE step of the unsplit model on G times the batch. The schedules run with scale_grads=False and the
+    sum is scaled once (torch's scale_grads would also divide what earlier steps accumulated)."""
     schedule_csv: str | None = None
     """A compute-only order to run instead of the schedule's own (torch's CSV format, e.g. from `labkit
     search --csv`): row r is rank r's actions (0F1, 0I0, 0W0, ...), stage r on rank r, run on torch's
@@ -288,6 +292,10 @@ class RunConfig:
             raise ConfigError(f"Split points must be distinct and in model order, got {self.split_points}.")
         return [0, *starts, n_layers]
 
+    def accumulated(self) -> "RunConfig":
+        """This run with G (--accumulate) batches in one: the data of one whole update."""
+        return RunConfig.from_dict({**self.to_dict(), "batch_size": self.batch_size * self.accumulate, "accumulate": 1})
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -352,6 +360,10 @@ TP_TOLERANCE = 1e-3   # its default with tensor parallelism (float32 sums in ano
 
 def validate_parallel(cfg: "RunConfig") -> None:
     """Data and tensor parallelism around the pipeline: sizes that divide, and what is supported."""
+    positive_int("accumulate", cfg.accumulate, "Pass --accumulate G with G >= 1 (1: no accumulation).")
+    if cfg.accumulate > 1 and (cfg.model_name != "tutorial" or cfg.inference or cfg.schedule_csv):
+        raise ConfigError("--accumulate is wired for training steps of the tutorial model: drop --inference and "
+                          "--schedule-csv, and use --model tutorial.")
     positive_int("dp_size", cfg.dp_size, "Pass --dp-size D with D >= 1 (1: no data parallelism).")
     positive_int("tp_size", cfg.tp_size, "Pass --tp-size T with T >= 1 (1: no tensor parallelism).")
     if not cfg.composed:

@@ -81,8 +81,9 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     return pipeline(model, mb_args=(example,), split_spec=split_spec)
 
 
-def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None):
-    """The torch schedule object `info` names, for these stages (`loss_fn=None`: forward only)."""
+def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
+    """The torch schedule object `info` names, for these stages (`loss_fn=None`: forward only);
+    `kwargs` go to its constructor (e.g. scale_grads=False)."""
     import torch.distributed.pipelining as pp
 
     cls = getattr(pp, info.cls, None)
@@ -91,15 +92,15 @@ def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None):
             f"torch {torch.__version__} has no {info.cls}; upgrade torch (the kit supports 2.8 and later)."
         )
     if info.multi:
-        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
-def build_schedule(cfg: RunConfig, stages: list, loss_fn=None):
+def build_schedule(cfg: RunConfig, stages: list, loss_fn=None, **kwargs):
     """The schedule of a RunConfig for these stages (its --schedule-csv order when it has one)."""
     if cfg.schedule_csv:
-        return runtime_from_csv(stages, cfg.n_microbatches, loss_fn, cfg.schedule_csv)
-    return make_schedule(cfg.info, stages, cfg.n_microbatches, loss_fn)
+        return runtime_from_csv(stages, cfg.n_microbatches, loss_fn, cfg.schedule_csv, **kwargs)
+    return make_schedule(cfg.info, stages, cfg.n_microbatches, loss_fn, **kwargs)
 
 
 def runtime_from_csv(stages: list, n_microbatches: int, loss_fn, order_csv, **kwargs):

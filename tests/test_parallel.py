@@ -52,7 +52,7 @@ def test_tensor_parallel_gradients_are_exact_in_float64(runs, tmp_path):
 
 
 @pytest.mark.parametrize("flags, world", [
-    (["--dp-size", "2", "--fsdp"], 4),          # FSDP2 over the replicas
+    (["--dp-size", "2", "--fsdp", "--accumulate", "2"], 4),   # FSDP2 over the replicas, 2 steps per update
     (["--dp-size", "2"], 4),                    # replicated: gradients all-reduced
     (["--tp-size", "2"], 4),                    # the MLPs cut by columns then rows
 ])
@@ -64,7 +64,7 @@ def test_composed_runs_equal_one_step_on_the_global_batch(flags, world, runs):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "result.json").read_text())
     assert res["reference_match"] is True and res["world_size"] == world
-    assert res["checked_microbatches"] == 2 * res["dp_size"]          # every replica's share of the batch
+    assert res["checked_microbatches"] == 2 * res["dp_size"] * res.get("accumulate", 1)  # every replica, every chunk
     assert res["compared_param_elements"] == res["model_param_elements"]
     assert len(res["losses"]) == res["checked_microbatches"]
     assert f"on {world} ranks" in r.stdout
@@ -86,3 +86,20 @@ def test_tensor_parallel_default_tolerance_is_stated():
     assert RunConfig(schedule="1F1B", preset="tiny", tp_size=2).tolerance == 1e-3
     assert RunConfig(schedule="1F1B", preset="tiny", tp_size=2, tolerance=5e-4).tolerance == 5e-4
     assert RunConfig(schedule="1F1B", preset="tiny", dp_size=2, n_microbatches=2).tolerance == 1e-4
+
+
+def test_accumulation_with_torchs_default_scale_grads_is_wrong_and_the_fix_is_right(runs):
+    """torch's scale_grads divides every gradient held at the end of a step, including what earlier
+    steps accumulated: G steps then / G is not one step on G batches (the pitfall); steps with
+    scale_grads=False and one 1/(m G) at the end are."""
+    from labkit.launch import run
+
+    cfg = RunConfig(schedule="1F1B", pp_size=2, preset="tiny", n_microbatches=2, batch_size=8, accumulate=2,
+                    device="cpu")
+    kw = dict(runs_root=runs, check=False, progress=False, stream="none")
+    wrong, right = run(cfg, job_args=["--accumulate-pitfall"], **kw), run(cfg, **kw)
+    assert wrong.result is not None and right.result is not None, (wrong.error, right.error)
+    assert right.result["reference_match"] is True and right.result["accumulate"] == 2
+    assert wrong.result["reference_match"] is False
+    assert wrong.result["max_abs_diff_losses"] < 1e-6 < wrong.result["max_abs_diff_grads"]  # same losses, wrong grads
+    assert "pitfall" in wrong.result["scale_grads"]

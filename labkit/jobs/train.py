@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-ab", action="store_true",
                    help="benchmark: PP debug logs on for half the steps and off for the other half, in "
                         "alternating pairs (result.json: step_pp_logs)")
+    p.add_argument("--accumulate-pitfall", action="store_true",
+                   help="teaching: accumulate with torch's default scale_grads=True and divide by G afterwards "
+                        "(each step's scaling also divides the gradients accumulated before it: the check fails)")
     p.add_argument("--spans-ab", action="store_true",
                    help="benchmark: span recording (labkit.spans) on for half the steps and off for the other "
                         "half, in the same alternating pairs (result.json: step_spans)")
@@ -60,14 +63,17 @@ def _spans_recorder():
 
 
 def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None,
-              spans_ab: bool = False):
+              spans_ab: bool = False, chunks=None, grad_scale: float | None = None):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
     spans_ab: the same for span recording (labkit.spans.record);
     inputs: (args, kwargs) this rank passes to step (default: the tokens on the first stage; a
     transformers model adds masks and position ids, labkit.models.adapter);
-    after_backward(stages): before the gradients are read or applied (tied weights' all-reduce)."""
+    after_backward(stages): before the gradients are read or applied (tied weights' all-reduce);
+    chunks: [(args, kwargs, target)] of the schedule steps whose gradients one update accumulates
+    (--accumulate G: G of them; default: one, `inputs` and `y`); grad_scale: multiply the accumulated
+    gradients by it before they are read or applied (labkit.parallel.compose.accumulation)."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
@@ -82,12 +88,23 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
         if spans_ab and spans is not None:
             spans.enabled = worker.pp_logs_on_step(step)
         losses: list = []
-        args, model_kwargs = inputs if inputs is not None else (((x,) if has_first else ()), {})
-        kwargs = {"target": y, "losses": losses} if (has_last and not cfg.inference) else {}
+        if chunks is None:
+            args, model_kwargs = inputs if inputs is not None else (((x,) if has_first else ()), {})
+            todo = [(args, model_kwargs, y)]
+        else:
+            todo = chunks
         with worker.timed(d.device) as elapsed:
-            out = schedule.step(*args, **model_kwargs, **kwargs)
+            for args, model_kwargs, target in todo:  # one schedule step per accumulated chunk
+                mine: list = []  # step() clears the list it is given: one per chunk
+                kwargs = {"target": target, "losses": mine} if (has_last and not cfg.inference) else {}
+                out = schedule.step(*args, **model_kwargs, **kwargs)
+                losses += mine
             if after_backward is not None and not cfg.inference:
                 after_backward(stages)
+            if grad_scale is not None and not cfg.inference:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
         step_times.append(elapsed())
         if step == 0:
             first = {"losses": list(losses), "grads": stage_grads(stages),
@@ -139,26 +156,39 @@ def main(argv=None) -> int:
     if par is not None:
         compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
     loss_fn = None if cfg.inference else model.loss_fn
-    schedule = model.schedule(stages, loss_fn)
-    x, y, model_kwargs = model.batch(d.device)  # the whole (global) batch, the same on every rank
+    G = cfg.accumulate
+    # --accumulate G: torch's scale_grads divides ALL gradients held at the end of each step, those
+    # accumulated by earlier steps too; so the steps run unscaled and the sum is scaled once, 1/(m G)
+    schedule = model.schedule(stages, loss_fn, **({"scale_grads": False} if G > 1 and not a.accumulate_pitfall else {}))
+    grad_scale = (1 / G if a.accumulate_pitfall else 1 / (cfg.n_microbatches * G)) if G > 1 else None
+    # the whole (global) batch, the same on every rank: G updates' worth with --accumulate G
+    x, y, model_kwargs = (model if G == 1 else model_adapter(cfg.accumulated())).batch(d.device)
     x_mine, y_mine, after_backward = x, y, model.after_backward
     if par is not None:  # this replica's share; replicated data parallelism averages the gradients
         x_mine, y_mine = compose.replica_share(par, x, y)
         after_backward = compose.replicated_average(par, model.after_backward)
+    chunks = None
+    if G > 1:  # chunk g: samples [gB, (g+1)B) of the global batch, this replica's share of it
+        chunks = []
+        for xc, yc in zip(x.chunk(G), y.chunk(G)):
+            if par is not None:
+                xc, yc = compose.replica_share(par, xc, yc)
+            args, kw = model.step_inputs(stages, xc, {})
+            chunks.append((args, kw, yc))
 
     if cfg.profile:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
                                                    model.step_inputs(stages, x_mine, model_kwargs), after_backward,
-                                                   a.spans_ab)
+                                                   a.spans_ab, chunks, grad_scale)
     peak = worker.peak_memory_bytes(d.device)
     has_last = any(s.is_last for s in stages)
 
     # The check: ONE forward (and backward) of the unsplit model on the WHOLE (global) batch.
-    losses, grads, n_mb, group = first["losses"], first["grads"], cfg.n_microbatches, None
+    losses, grads, n_mb, group = first["losses"], first["grads"], cfg.n_microbatches * G, None
     if par is not None:  # every replica's losses, whole gradients from the shards; one check per pipeline
-        losses = compose.all_replicas_losses(par, losses, n_mb, has_last, d.device)
+        losses = compose.all_replicas_losses(par, losses, n_mb, has_last, d.device, chunks=G)
         grads, n_mb, group = compose.full_grads(grads), n_mb * par.dp_size, par.pp_group
     check = check_step(full, stages, x, y, losses, n_mb, loss_fn, grads=grads,
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
@@ -184,6 +214,9 @@ def main(argv=None) -> int:
             step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
             profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
         )
+        if G > 1:
+            result.update(accumulate=G, scale_grads="torch's default (True), then / G: the pitfall" if
+                          a.accumulate_pitfall else "False; the accumulated sum scaled by 1/(m G) once")
         if par is not None:
             result.update(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
                           mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),

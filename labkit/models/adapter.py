@@ -45,9 +45,9 @@ class TutorialAdapter:
         """(args, kwargs) this rank passes to `schedule.step`: the tokens on the first stage."""
         return ((x,) if any(s.is_first for s in stages) else ()), {}
 
-    def schedule(self, stages, loss_fn):
+    def schedule(self, stages, loss_fn, **kwargs):
         from ..stages import build_schedule
-        return build_schedule(self.cfg, stages, loss_fn)
+        return build_schedule(self.cfg, stages, loss_fn, **kwargs)
 
     def after_backward(self, stages) -> None:
         pass
@@ -150,7 +150,7 @@ class HFAdapter:
         named = {"input_ids": x, **kwargs}
         return tuple(named[n] for n in self.first_inputs), {}
 
-    def schedule(self, stages, loss_fn):
+    def schedule(self, stages, loss_fn, **kwargs):  # kwargs: unused (accumulation: tutorial model only)
         import torch.distributed.pipelining as pp
         from torch.distributed.pipelining.microbatch import TensorChunkSpec
 

@@ -123,10 +123,16 @@ def full_grads(grads: dict) -> dict:
     return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
 
 
-def all_replicas_losses(par: Parallel, losses: list, n_microbatches: int, has_last: bool, device) -> list[float]:
-    """Every replica's per-microbatch losses, replica 0's first (the global batch's order)."""
+def all_replicas_losses(par: Parallel, losses: list, n_microbatches: int, has_last: bool, device,
+                        chunks: int = 1) -> list[float]:
+    """Every replica's per-microbatch losses in the global batch's order: for each accumulated chunk
+    (--accumulate), replica 0's microbatches, then replica 1's, ... (`n_microbatches`: this rank's
+    count over all chunks)."""
     from .. import worker
 
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
     rows = worker.all_gather_floats(mine if has_last else [0.0] * n_microbatches, device, par.dp_group)
-    return [x for row in rows for x in row] if has_last else []
+    if not has_last:
+        return []
+    per = n_microbatches // chunks
+    return [x for g in range(chunks) for row in rows for x in row[g * per:(g + 1) * per]]
