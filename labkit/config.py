@@ -167,6 +167,15 @@ class RunConfig:
     """Gradient accumulation: G schedule steps (G global batches) per optimizer update; the check is
     ONE step of the unsplit model on G times the batch. The schedules run with scale_grads=False and the
     sum is scaled once (torch's scale_grads would also divide what earlier steps accumulated)."""
+    checkpoint: str | None = None
+    """Save the stages' weights after the run with torch.distributed.checkpoint into this new folder
+    (every parameter once, sharded by stage and replica)."""
+    resume: str | None = None
+    """Load the stages' weights from a checkpoint folder (saved by any pipeline shape, with or without
+    FSDP/TP) before the steps; the check's unsplit model is loaded from the same checkpoint."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients to this global norm (over every stage and shard) before the update; the
+    unsplit reference is clipped the same way (torch.nn.utils.clip_grad_norm_)."""
     schedule_csv: str | None = None
     """A compute-only order to run instead of the schedule's own (torch's CSV format, e.g. from `labkit
     search --csv`): row r is rank r's actions (0F1, 0I0, 0W0, ...), stage r on rank r, run on torch's
@@ -354,6 +363,24 @@ def validate_model(model: str, layout: str = "batch") -> None:
                           f"installed. Install the kit's `{MODELS_EXTRA}` extra: {MODELS_INSTALL}")
 
 
+def validate_checkpoints(cfg: "RunConfig") -> None:
+    if cfg.clip_grad_norm is not None and not (isinstance(cfg.clip_grad_norm, (int, float)) and cfg.clip_grad_norm > 0):
+        raise ConfigError(f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm!r}.")
+    if (cfg.checkpoint or cfg.resume) and (cfg.model_name != "tutorial" or cfg.split != "manual" or cfg.inference):
+        raise ConfigError("--checkpoint / --resume save and load the stages of the tutorial model cut by hand (its "
+                          "stages keep the unsplit model's parameter names): use --model tutorial --split manual.")
+    if cfg.checkpoint:
+        cfg.checkpoint = os.path.abspath(cfg.checkpoint)
+        if os.path.isdir(cfg.checkpoint) and os.listdir(cfg.checkpoint):
+            raise ConfigError(f"--checkpoint {cfg.checkpoint} already holds files: choose a new folder (a checkpoint "
+                              f"is never written over another).")
+    if cfg.resume:
+        cfg.resume = os.path.abspath(cfg.resume)
+        if not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
+            raise ConfigError(f"--resume {cfg.resume}: no checkpoint there (no .metadata file). Save one first with "
+                              f"labkit run ... --checkpoint {cfg.resume}.")
+
+
 TOLERANCE = 1e-4      # RunConfig.tolerance's default
 TP_TOLERANCE = 1e-3   # its default with tensor parallelism (float32 sums in another order)
 
@@ -361,6 +388,7 @@ TP_TOLERANCE = 1e-3   # its default with tensor parallelism (float32 sums in ano
 def validate_parallel(cfg: "RunConfig") -> None:
     """Data and tensor parallelism around the pipeline: sizes that divide, and what is supported."""
     positive_int("accumulate", cfg.accumulate, "Pass --accumulate G with G >= 1 (1: no accumulation).")
+    validate_checkpoints(cfg)
     if cfg.accumulate > 1 and (cfg.model_name != "tutorial" or cfg.inference or cfg.schedule_csv):
         raise ConfigError("--accumulate is wired for training steps of the tutorial model: drop --inference and "
                           "--schedule-csv, and use --model tutorial.")

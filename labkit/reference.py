@@ -24,7 +24,7 @@ class Reference:
 
 
 def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
-                          chunk_dim: int = 0, kwargs: dict | None = None) -> Reference:
+                          chunk_dim: int = 0, kwargs: dict | None = None, clip_grad_norm: float | None = None) -> Reference:
     """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch;
     the per-microbatch losses from the output and target cut along `chunk_dim`. `kwargs`: the model's
     other inputs for the whole batch (attention_mask, position_ids); a model that returns a tuple or
@@ -38,6 +38,8 @@ def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=N
     out = _first(ref(x, **kwargs))
     losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim), y.chunk(n_microbatches, dim=chunk_dim))]
     torch.stack(losses).mean().backward()
+    if clip_grad_norm is not None:  # what a pipelined run clipped over all its stages (--clip-grad-norm)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad_norm)
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return Reference(losses=[float(l.detach()) for l in losses], grads=grads)
 
@@ -140,7 +142,8 @@ def _misnamed(full: nn.Module, stages, prefix_stage_index: bool, tied=None) -> t
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
-               tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None) -> Check:
+               tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
+               clip_grad_norm: float | None = None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
@@ -161,7 +164,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     tied: {name of a tied weight's copy on a stage: the unsplit model's name}, e.g. GPT-2's
     {"lm_head.weight": "transformer.wte.weight"} (labkit.models.hf.TiedWeights.aliases): each copy
     must hold the whole tied gradient (notebook 11); renamed: {name on a stage: the unsplit model's
-    name} for a tied parameter that a stage holds once under its other name (a traced BERT).
+    name} for a tied parameter that a stage holds once under its other name (a traced BERT);
+    clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were.
     Every rank gets the same verdict. Called by the kit's jobs and from `%%ranks` cells (notebook 01).
     """
     from . import worker
@@ -169,7 +173,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     device = device if device is not None else (stages[0].device if stages else "cpu")
     has_last = any(s.is_last for s in stages)
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
-    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs)
+    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm)
     gmax = ldiff = odiff = 0.0
     numel = misnamed = 0
     example = ""

@@ -63,7 +63,7 @@ def _spans_recorder():
 
 
 def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None,
-              spans_ab: bool = False, chunks=None, grad_scale: float | None = None):
+              spans_ab: bool = False, chunks=None, grad_scale: float | None = None, clip=None):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
@@ -73,7 +73,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     after_backward(stages): before the gradients are read or applied (tied weights' all-reduce);
     chunks: [(args, kwargs, target)] of the schedule steps whose gradients one update accumulates
     (--accumulate G: G of them; default: one, `inputs` and `y`); grad_scale: multiply the accumulated
-    gradients by it before they are read or applied (labkit.parallel.compose.accumulation)."""
+    gradients by it before they are read or applied; clip(stages): last, before they are read
+    (--clip-grad-norm, labkit.parallel.checkpoint.clip_grad_norm)."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
@@ -105,6 +106,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(grad_scale)
+            if clip is not None and not cfg.inference:
+                clip(stages)
         step_times.append(elapsed())
         if step == 0:
             first = {"losses": list(losses), "grads": stage_grads(stages),
@@ -155,6 +158,18 @@ def main(argv=None) -> int:
         return 2
     if par is not None:
         compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
+    if cfg.resume:  # into this shape's stages (resharded on load), and the reference from the same files
+        from ..parallel import checkpoint as ckpt
+        ckpt.load_stages(stages, cfg.resume)
+        ckpt.load_full(full, cfg.resume)
+    clip = None
+    if cfg.clip_grad_norm:
+        from ..parallel.checkpoint import clip_grad_norm
+
+        norms: list[float] = []  # the global norm before clipping, per update
+
+        def clip(stages_, _pg=(par.pp_group if par is not None else None)):
+            norms.append(clip_grad_norm(stages_, cfg.clip_grad_norm, _pg, d.device))
     loss_fn = None if cfg.inference else model.loss_fn
     G = cfg.accumulate
     # --accumulate G: torch's scale_grads divides ALL gradients held at the end of each step, those
@@ -181,7 +196,7 @@ def main(argv=None) -> int:
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
                                                    model.step_inputs(stages, x_mine, model_kwargs), after_backward,
-                                                   a.spans_ab, chunks, grad_scale)
+                                                   a.spans_ab, chunks, grad_scale, clip)
     peak = worker.peak_memory_bytes(d.device)
     has_last = any(s.is_last for s in stages)
 
@@ -193,9 +208,12 @@ def main(argv=None) -> int:
     check = check_step(full, stages, x, y, losses, n_mb, loss_fn, grads=grads,
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
                        device=d.device, kwargs=model_kwargs, tied=model.tied_aliases,
-                       renamed=model.renamed, group=group)
+                       renamed=model.renamed, group=group, clip_grad_norm=cfg.clip_grad_norm)
     if par is not None:  # every pipeline's verdict must hold
         check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
+    if cfg.checkpoint:  # the weights after the run's updates, every parameter once
+        from ..parallel import checkpoint as ckpt
+        ckpt.save(stages, cfg.checkpoint)
     last_rank = (par.global_rank(cfg.pp_size - 1) if par is not None else
                  next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r)))
     step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)
@@ -214,6 +232,9 @@ def main(argv=None) -> int:
             step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
             profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
         )
+        if cfg.checkpoint or cfg.resume or cfg.clip_grad_norm:
+            result.update(checkpoint=cfg.checkpoint, resume=cfg.resume, clip_grad_norm=cfg.clip_grad_norm,
+                          grad_norm_before_clip=norms if cfg.clip_grad_norm else None)
         if G > 1:
             result.update(accumulate=G, scale_grads="torch's default (True), then / G: the pitfall" if
                           a.accumulate_pitfall else "False; the accumulated sum scaled by 1/(m G) once")
