@@ -48,7 +48,7 @@ def union_length(ranges) -> int:
 
 def param_storages(module) -> set[int]:
     """The storages of a module's parameters: what saved-tensor counting leaves out (not activations)."""
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in module.parameters()}
 
 
 def saved_activation_bytes(module, *inputs) -> int:
@@ -134,15 +134,19 @@ class SavedTensorTracker:
         tracker = self
 
         def pack(t):
-            if t.untyped_storage().data_ptr() in params or t.numel() == 0:
-                return t  # a weight (or nothing): not an activation
-            storage, first, end = byte_range(t)
+            try:
+                if t.untyped_storage().data_ptr() in params or t.numel() == 0:
+                    return t  # a weight (or nothing): not an activation
+                storage, first, end = byte_range(t)
+            except RuntimeError:  # no storage to read (a DTensor's wrapper under tensor parallelism): its
+                return t          # local tensor, which holds the bytes, is saved and counted on its own
             return _Held(tracker, stage, t, storage, (first, end))
 
         def unpack(held):
             return held.tensor if isinstance(held, _Held) else held
 
         def forward(*args, **kwargs):
+            params.update(param_storages(module))  # FSDP2 swaps in gathered parameters before each forward
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return original(*args, **kwargs)
 

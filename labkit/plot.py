@@ -25,16 +25,18 @@ from matplotlib.patches import Patch
 
 from .config import ConfigError, schedule_info
 from .theory import closed_form_bubble
-from .timeline import COMM_KINDS, COMPUTE_KINDS, Timeline
+from .timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
            "plot_bubble_sweep", "plot_memory"]
 
 STAGE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
-KIND_COLORS = {"F": "#0072B2", "B": "#D55E00", "I": "#00735A", "W": "#9ADBC5", "SEND": "#7F7F7F", "RECV": "#C7C7C7"}
+KIND_COLORS = {"F": "#0072B2", "B": "#D55E00", "I": "#00735A", "W": "#9ADBC5", "SEND": "#7F7F7F", "RECV": "#C7C7C7",
+               "UNSHARD": "#E69F00", "RESHARD": "#F0E442", "REDUCE_GRAD": "#CC79A7"}
 KIND_LABELS = {"F": "F forward", "B": "B backward", "I": "I backward (inputs)", "W": "W backward (weights)",
-               "SEND": "SEND", "RECV": "RECV"}
+               "SEND": "SEND", "RECV": "RECV", "UNSHARD": "UNSHARD (FSDP all-gather)", "RESHARD": "RESHARD (FSDP free)",
+               "REDUCE_GRAD": "REDUCE_GRAD (FSDP reduce-scatter)"}
 _TEXT_COLORS = {"F": "white", "B": "white", "I": "white", "W": "black"}
 IDLE_STYLE = {"facecolor": "none", "edgecolor": "#B0B0B0", "hatch": "////", "linewidth": 0}
 _LABEL_FONTSIZE = 7
@@ -126,7 +128,7 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
         groups[(key(a), a.kind)].append((a.start, a.duration))
     for (row, kind), xranges in sorted(groups.items()):
         y = row_y[row]
-        if kind in COMM_KINDS:  # thin strip at the bottom of the row: it must not hide compute
+        if kind not in COMPUTE_KINDS:  # transfers, FSDP collectives: a thin strip that must not hide compute
             yrange, style = (y + 0.25, 0.15), {"linewidth": 0}
         else:
             yrange, style = (y - 0.4, 0.8), {"edgecolor": "white", "linewidth": 0.6}
@@ -159,7 +161,7 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
         heading = f"{heading}\n{bubble_summary(t)}"
     artists.append(ax.set_title(heading, fontsize="medium"))
     if legend:
-        present = [k for k in (*COMPUTE_KINDS, *COMM_KINDS) if any(a.kind == k for a in t.actions)]
+        present = [k for k in (*COMPUTE_KINDS, *COMM_KINDS, *FSDP_KINDS) if any(a.kind == k for a in t.actions)]
         artists.append(kind_legend(ax, present, idle=show_bubble))
     return artists
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND", "RECV")
+FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # FSDP2's collectives under pipelining (spans)
 
 
 class Action(NamedTuple):

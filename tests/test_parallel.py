@@ -68,6 +68,15 @@ def test_composed_runs_equal_one_step_on_the_global_batch(flags, world, runs):
     assert res["compared_param_elements"] == res["model_param_elements"]
     assert len(res["losses"]) == res["checked_microbatches"]
     assert f"on {world} ranks" in r.stdout
+    # memory per rank, measured: FSDP2 holds each parameter once over the replicas, replication dp times
+    mem, whole = res["memory_per_rank"], 4 * res["model_param_elements"]  # float32
+    held = sum(m["parameters"] for m in mem)
+    assert len(mem) == world and all(m["gradients"] == m["parameters"] and m["activations"] > 0 for m in mem)
+    copies = 1 if res["fsdp"] else res["dp_size"]
+    if res["tp_size"] == 1:
+        assert abs(held - copies * whole) <= 4 * 1024, (held, whole)  # FSDP pads shards to equal sizes
+    else:
+        assert whole < held < 2 * whole  # TP cuts the MLPs, the attention stays replicated
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -63,7 +63,7 @@ def _spans_recorder():
 
 
 def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None,
-              spans_ab: bool = False, chunks=None, grad_scale: float | None = None, clip=None):
+              spans_ab: bool = False, chunks=None, grad_scale: float | None = None, clip=None, memory: bool = False):
     """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
 
     log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
@@ -74,7 +74,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     chunks: [(args, kwargs, target)] of the schedule steps whose gradients one update accumulates
     (--accumulate G: G of them; default: one, `inputs` and `y`); grad_scale: multiply the accumulated
     gradients by it before they are read or applied; clip(stages): last, before they are read
-    (--clip-grad-norm, labkit.parallel.checkpoint.clip_grad_norm)."""
+    (--clip-grad-norm, labkit.parallel.checkpoint.clip_grad_norm); memory: measure this rank's bytes
+    of parameters, gradients, optimizer state and activations in the first step (first["memory"])."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
@@ -83,6 +84,10 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     worker.reset_peak_memory(d.device)
     switch = worker.PPLogSwitch() if log_ab else None
     spans = _spans_recorder() if spans_ab else None
+    tracker = None
+    if memory and not cfg.inference:
+        from ..memory import SavedTensorTracker
+        tracker = SavedTensorTracker(stages)
     for step in range(cfg.steps):
         if switch:
             switch.set(worker.pp_logs_on_step(step))
@@ -112,9 +117,21 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
         if step == 0:
             first = {"losses": list(losses), "grads": stage_grads(stages),
                      "output": out.detach() if (has_last and out is not None) else None}
+            if tracker is not None:
+                from ..parallel.compose import memory_row
+                held: dict[int, int] = {}
+                peak = 0
+                for _, stage, bytes_, _ in tracker.events:  # the rank's stages together, at every change
+                    held[stage] = bytes_
+                    peak = max(peak, sum(held.values()))
+                first["memory"] = memory_row(stages, None, peak)  # optimizer state: after its first step, below
         step_losses.append(sum(float(l.detach()) for l in losses) / len(losses) if losses else float("nan"))
         if opt is not None:
             opt.step()
+            if step == 0 and "memory" in first:  # the optimizer's state, created by its first step
+                from ..parallel.compose import local_bytes
+                first["memory"][2] = float(local_bytes(v for st in opt.state.values() for v in st.values()
+                                                       if torch.is_tensor(v)))
             opt.zero_grad(set_to_none=True)
         if d.rank == 0:
             worker.progress(step + 1, cfg.steps)
@@ -196,7 +213,7 @@ def main(argv=None) -> int:
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
                                                    model.step_inputs(stages, x_mine, model_kwargs), after_backward,
-                                                   a.spans_ab, chunks, grad_scale, clip)
+                                                   a.spans_ab, chunks, grad_scale, clip, memory=par is not None)
     peak = worker.peak_memory_bytes(d.device)
     has_last = any(s.is_last for s in stages)
 
@@ -211,6 +228,9 @@ def main(argv=None) -> int:
                        renamed=model.renamed, group=group, clip_grad_norm=cfg.clip_grad_norm)
     if par is not None:  # every pipeline's verdict must hold
         check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
+    memory = None
+    if par is not None:  # every rank's bytes: parameters, gradients, optimizer state, activations
+        memory = worker.all_gather_floats(first.get("memory") or [0.0] * 4, d.device)
     if cfg.checkpoint:  # the weights after the run's updates, every parameter once
         from ..parallel import checkpoint as ckpt
         ckpt.save(stages, cfg.checkpoint)
@@ -241,7 +261,9 @@ def main(argv=None) -> int:
         if par is not None:
             result.update(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
                           mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),
-                          global_batch=cfg.batch_size, checked_microbatches=n_mb)
+                          global_batch=cfg.batch_size, checked_microbatches=n_mb,
+                          memory_per_rank=[dict(zip(("parameters", "gradients", "optimizer_state", "activations"),
+                                                    map(int, row))) for row in memory])
         if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
             from ..config import read_order_csv
 

@@ -136,3 +136,24 @@ def all_replicas_losses(par: Parallel, losses: list, n_microbatches: int, has_la
         return []
     per = n_microbatches // chunks
     return [x for g in range(chunks) for row in rows for x in row[g * per:(g + 1) * per]]
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (a DTensor: its local shard only)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def memory_row(stages, opt, activation_peak: int) -> list[float]:
+    """This rank's bytes: parameters, gradients, optimizer state (its local shards), and the most
+    activation bytes its stages held at once in the step (labkit.memory.SavedTensorTracker). Read
+    right after the first step's backward, before the update."""
+    params = [p for st in stages for p in st.submod.parameters()]
+    state = [v for st in (opt.state.values() if opt is not None else []) for v in st.values() if torch.is_tensor(v)]
+    return [float(local_bytes(params)), float(local_bytes(p.grad for p in params)), float(local_bytes(state)),
+            float(activation_peak)]

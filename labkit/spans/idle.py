@@ -6,7 +6,8 @@ A rank is idle whenever none of its compute spans covers the moment. Each idle m
 - **fill / drain**: before the rank's first compute of the step or after its last;
 - **waiting for a neighbour**: inside a WAIT span for a receive (torch waiting for an activation or
   a gradient that another rank had not sent yet);
-- **sends and receives**: inside a SEND / RECV span (posting them) or a WAIT for sends only;
+- **sends and receives**: inside a SEND / RECV span (posting them), a WAIT for sends only, or FSDP2's
+  collectives under pipelining (UNSHARD: all-gather, RESHARD, REDUCE_GRAD: reduce-scatter);
 - **runtime overhead**: the rest: time between two actions that is neither a wait nor a transfer
   (the schedule's Python, the loss on the last stage, bookkeeping, and on a machine with fewer cores
   than ranks, waiting for a core).
@@ -21,6 +22,8 @@ from ..timeline import COMPUTE_KINDS
 from .read import Span, read_spans, select_step
 
 __all__ = ["explain_idle_spans"]
+
+COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
 
 
 def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -52,7 +55,7 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
     for rank in sorted({s.rank for s in comp}):
         mine = sorted((s for s in comp if s.rank == rank), key=lambda s: (s.start, s.end))
         waits = [(s.start, s.end) for s in spans if s.rank == rank and s.kind == "WAIT" and s.what in ("recv", "both")]
-        comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in ("SEND", "RECV") or
+        comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in COLLECTIVE_KINDS or
                                                                          (s.kind == "WAIT" and s.what not in ("recv", "both")))]
         causes = dict.fromkeys(CAUSES, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))

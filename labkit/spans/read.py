@@ -22,7 +22,7 @@ __all__ = ["Span", "read_spans", "timeline_from_spans", "has_spans"]
 class Span(NamedTuple):
     rank: int
     step: int
-    kind: str      # F B I W | SEND RECV (posting) | WAIT
+    kind: str      # F B I W | SEND RECV (posting) | WAIT | UNSHARD RESHARD REDUCE_GRAD (FSDP2)
     stage: int     # -1 for communication
     mb: int        # -1 for communication
     start: float
@@ -95,7 +95,7 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
                 acts.append(Action(s.rank, s.stage, s.mb, s.kind, s.start, s.end))
             else:
                 kind = s.kind if s.kind != "WAIT" else ("RECV" if s.what in ("recv", "both") else "SEND")
-                acts.append(Action(s.rank, row, -1, kind, s.start, s.end))
+                acts.append(Action(s.rank, s.stage if s.stage >= 0 else row, -1, kind, s.start, s.end))
     steps_per_rank = {str(r): len(_steps([s for s in spans if s.rank == r])) for r in sorted({s.rank for s in spans})}
     clocks = sorted({m.get("clock", "?") for m in meta.values()})
     kept = {(s.rank, s.step) for s in spans}

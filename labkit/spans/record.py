@@ -10,6 +10,9 @@ and schedule a script builds is covered, with no change to the script):
   of an OVERLAP_F_B pair (the runtime calls them one after the other);
 - communication: `schedules._batch_p2p` (posting sends / receives: kind SEND or RECV) and
   `schedules._wait_batch_p2p` (waiting for them: kind WAIT, `what` says recv, send or both);
+- FSDP2 under pipelining: `perform_reduce_grad` (REDUCE_GRAD) and `FSDPModule.unshard` / `reshard`
+  (UNSHARD / RESHARD: the runtime's actions of those names; the all-gather itself may finish inside
+  the next compute, which waits for it);
 - steps: each schedule class's `step` / `eval`: spans are numbered by step and written when a step
   ends, one JSON line each, to the current file (`spans/rank<N>.jsonl` in a run directory, or a
   live-ranks cell's own file).
@@ -187,6 +190,17 @@ def _patch() -> None:
     if hasattr(schedules, "_wait_batch_p2p") and "_wait_batch_p2p" not in _PATCHED:
         schedules._wait_batch_p2p = _wait_wrapper(schedules._wait_batch_p2p)
         _PATCHED.add("_wait_batch_p2p")
+    if "perform_reduce_grad" in vars(base) and "perform_reduce_grad" not in _PATCHED:  # FSDP's gradient reduction
+        base.perform_reduce_grad = _stage_op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD")
+        _PATCHED.add("perform_reduce_grad")
+    try:  # FSDP2's all-gather / free of a stage's parameters (the runtime's UNSHARD / RESHARD actions)
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover (torch 2.11-2.15 have it)
+        FSDPModule = None
+    for name, kind in (("unshard", "UNSHARD"), ("reshard", "RESHARD")):
+        if FSDPModule is not None and name in vars(FSDPModule) and f"FSDPModule.{name}" not in _PATCHED:
+            setattr(FSDPModule, name, _module_op_wrapper(getattr(FSDPModule, name), kind))
+            _PATCHED.add(f"FSDPModule.{name}")
     for obj in list(vars(schedules).values()):
         if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule):
             for name in ("step", "eval"):
@@ -216,6 +230,38 @@ def _compute_wrapper(inner, kind_of):
     wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
     wrapper.__name__ = inner.__name__
     wrapper.__doc__ = inner.__doc__
+    return wrapper
+
+
+def _stage_op_wrapper(inner, kind: str):
+    """A stage method that is not compute (REDUCE_GRAD): a span with the stage's index."""
+    def wrapper(self, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled:
+            return inner(self, *args, **kwargs)
+        start = rec.now()
+        out = inner(self, *args, **kwargs)
+        rec.add(kind, self.stage_index, -1, start, rec.now())
+        return out
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    wrapper.__name__ = inner.__name__
+    return wrapper
+
+
+def _module_op_wrapper(inner, kind: str):
+    """An FSDP module's unshard / reshard (inside a step only: FSDP outside pipelining is left alone)."""
+    def wrapper(self, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled or rec.depth == 0:
+            return inner(self, *args, **kwargs)
+        start = rec.now()
+        out = inner(self, *args, **kwargs)
+        rec.add(kind, -1, -1, start, rec.now())
+        return out
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    wrapper.__name__ = inner.__name__
     return wrapper
 
 
