@@ -95,6 +95,15 @@ def first_failure(run: Run) -> tuple[int | None, str]:
     return None, "torchrun failed before any rank reported (see launcher.log)"
 
 
+_SPANS_DIR = str(Path(__file__).resolve().parent.parent / "spans")  # the kit's wrappers around torch's calls
+
+
+def _library_frame(path: str) -> bool:
+    """Frames a learner did not write: installed packages, the standard library, and the kit's span
+    recorder (it wraps torch's pipelining calls, so it sits on every hung rank's stack)."""
+    return "site-packages" in path or "/lib/python" in path or path.startswith(_SPANS_DIR)
+
+
 def stack_report(run: Run) -> dict[int, str]:
     """From each rank's faulthandler dump: its innermost frame, and the innermost frame outside libraries.
     Writes every dump into the run directory's stacks.txt."""
@@ -113,7 +122,7 @@ def stack_report(run: Run) -> dict[int, str]:
             where[rank] = "stack dump has no Python frames"
             continue
         inner = frames[0]
-        user = next((f for f in frames if "site-packages" not in f[0] and "/lib/python" not in f[0]), inner)
+        user = next((f for f in frames if not _library_frame(f[0])), inner)
         where[rank] = f"{user[0]}:{user[1]} in {user[2]}" + (
             f" (innermost: {Path(inner[0]).name}:{inner[1]} in {inner[2]})" if user != inner else "")
     if dumps:

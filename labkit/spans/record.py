@@ -216,9 +216,12 @@ def _backward_kind(args, kwargs) -> str:
 
 
 def _compute_wrapper(inner, kind_of):
+    backward = inner.__name__ != "forward_one_chunk"
+
     def wrapper(self, chunk_id, *args, **kwargs):
         rec = RECORDER
-        if rec is None or not rec.enabled:
+        if rec is None or not rec.enabled or (backward and not getattr(self, "has_backward", True)):
+            # a forward-only step (loss_fn=None, eval): GPipe still calls the backward, which returns at once
             return inner(self, chunk_id, *args, **kwargs)
         if rec.device is None:
             rec.device = getattr(self, "device", None)
