@@ -43,3 +43,25 @@ def runs(tmp_path):
 
 def labkit_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "labkit", *args]
+
+
+def run_suite(root: Path, name: str, cfgs: dict, nproc: int) -> dict:
+    """Run the RunConfigs `cfgs` ({key: RunConfig}) one after the other in ONE torchrun job of the
+    reference job (`python -m labkit.jobs.train --suite`), each in its own run directory: real runs,
+    without paying a launch (~6 s of torchrun and imports on 2 cores) per config.
+    Returns {key: that run's result.json, or None} and the job's Run under "__job__"."""
+    import json
+
+    from labkit.launch import REFERENCE_JOB, launch
+
+    items = [{"config": c.to_dict(), "out": str(root / name / str(i))} for i, c in enumerate(cfgs.values())]
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps(items))
+    job = launch(REFERENCE_JOB, ["--suite", str(spec)], nproc=nproc, module=True, out=root / name / "job",
+                 progress=False, stream="none", check=False)
+    out = {}
+    for key, it in zip(cfgs, items):
+        f = Path(it["out"]) / "result.json"
+        out[key] = json.loads(f.read_text()) if f.exists() else None
+    out["__job__"] = job
+    return out

@@ -129,15 +129,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type,split,schedule,spr", CASES)
-def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, spr, runs):
-    from labkit.launch import run
+def _case_config(model_type, split, schedule, spr):
+    return RunConfig(model_name=model_type, split=split, schedule=schedule, stages_per_rank=spr, preset="tiny",
+                     n_microbatches=4)
 
-    cfg = RunConfig(model_name=model_type, split=split, schedule=schedule, stages_per_rank=spr, preset="tiny",
-                    n_microbatches=4)
-    r = run(cfg, runs_root=runs, progress=False, stream="none", check=False)
-    res = r.result
-    assert r.status == "ok" and res["reference_match"] is True, (r.error, res and res.get("failure"))
+
+@pytest.fixture(scope="module")
+def model_runs(tmp_path_factory):
+    """The CASES as real runs, one after the other in one job of the reference job (conftest.run_suite)."""
+    from conftest import kit_processes, run_suite
+
+    root = tmp_path_factory.mktemp("models")
+    yield run_suite(root, "models", {c: _case_config(*c) for c in CASES}, 2)
+    assert not kit_processes(root)
+
+
+@pytest.mark.parametrize("model_type,split,schedule,spr", CASES)
+def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, spr, model_runs):
+    res = model_runs[(model_type, split, schedule, spr)]
+    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
     assert res["model"] == model_type and len(res["losses"]) == 4
     assert res["max_abs_diff"] <= 1e-5
     assert res["compared_param_elements"] == res["model_param_elements"] > 0

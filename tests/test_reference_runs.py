@@ -5,16 +5,16 @@ import subprocess
 
 import pytest
 
-from conftest import labkit_cli
+from conftest import kit_processes, labkit_cli, run_suite
 from labkit.config import SCHEDULES, RunConfig
 from labkit.launch import LaunchError, run
 
 MULTI = [n for n, i in SCHEDULES.items() if i.multi]
 
 
-def _check(r, cfg):
-    res = r.result
-    assert r.status == "ok" and res["status"] == "ok", r.error
+def _check(res, cfg):
+    assert res is not None, "the run wrote no result.json"
+    assert res["status"] == "ok", res.get("failure")
     assert res["reference_match"] is True
     assert res["max_abs_diff"] <= cfg.tolerance
     assert res["schedule"] == cfg.schedule and res["pp_size"] == cfg.pp_size
@@ -26,42 +26,66 @@ def _check(r, cfg):
     assert len(res["step_time_s"]) == cfg.steps
 
 
+# Every config below is a real run of the reference job under torchrun; the configs of one world size
+# share ONE job (the job's --suite mode: one after the other on the same ranks, each with its own run
+# directory and result.json), which saves a launch (~6 s of torchrun and imports) per config.
+TRAIN = {(s, split): RunConfig(schedule=s, split=split, preset="tiny", n_microbatches=4)
+         for s in SCHEDULES for split in ("manual", "tracer")}
+ONE_RANK = {s: RunConfig(schedule=s, pp_size=1, stages_per_rank=2 if SCHEDULES[s].v_shaped else 4, preset="tiny",
+                         n_microbatches=4) for s in MULTI}
+INFERENCE = {s: RunConfig(schedule=s, inference=True, preset="tiny", n_microbatches=4)
+             for s in ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"]}
+STEPS = RunConfig(schedule="1F1B", preset="tiny", steps=5)
+TUTORIAL_LAYOUT = RunConfig(schedule="GPipe", preset="tiny", layout="tutorial", n_microbatches=4)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suite2")
+    cfgs = {**{("train",) + k: c for k, c in TRAIN.items()}, **{("inference", s): c for s, c in INFERENCE.items()},
+            ("steps",): STEPS, ("tutorial_layout",): TUTORIAL_LAYOUT}
+    yield run_suite(root, "two", cfgs, 2)
+    assert not kit_processes(root), "the suite job left processes running"
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suite1")
+    yield run_suite(root, "one", ONE_RANK, 1)
+    assert not kit_processes(root), "the suite job left processes running"
+
+
 @pytest.mark.parametrize("split", ["manual", "tracer"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_schedule_matches_unsplit_model(schedule, split, runs):
-    cfg = RunConfig(schedule=schedule, split=split, preset="tiny", n_microbatches=4)
-    _check(run(cfg, runs_root=runs, progress=False, stream="none"), cfg)
+def test_schedule_matches_unsplit_model(schedule, split, two_ranks):
+    _check(two_ranks[("train", schedule, split)], TRAIN[(schedule, split)])
 
 
 @pytest.mark.parametrize("schedule", MULTI)
-def test_multi_stage_on_one_rank(schedule, runs):
-    spr = 2 if SCHEDULES[schedule].v_shaped else 4
-    cfg = RunConfig(schedule=schedule, pp_size=1, stages_per_rank=spr, preset="tiny", n_microbatches=4)
-    _check(run(cfg, runs_root=runs, progress=False, stream="none"), cfg)
+def test_multi_stage_on_one_rank(schedule, one_rank):
+    _check(one_rank[schedule], ONE_RANK[schedule])
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"])
-def test_inference_matches_unsplit_outputs(schedule, runs):
-    cfg = RunConfig(schedule=schedule, inference=True, preset="tiny", n_microbatches=4)
-    r = run(cfg, runs_root=runs, progress=False, stream="none")
-    _check(r, cfg)
-    assert r.result["losses"] == [] and r.result["max_abs_diff_outputs"] < 1e-5
+@pytest.mark.parametrize("schedule", list(INFERENCE))
+def test_inference_matches_unsplit_outputs(schedule, two_ranks):
+    res = two_ranks[("inference", schedule)]
+    _check(res, INFERENCE[schedule])
+    assert res["losses"] == [] and res["max_abs_diff_outputs"] < 1e-5
 
 
-def test_training_steps_reduce_the_loss(runs):
-    cfg = RunConfig(schedule="1F1B", preset="tiny", steps=5)
-    r = run(cfg, runs_root=runs, progress=False, stream="none")
-    _check(r, cfg)
-    assert r.result["step_losses"][-1] < r.result["step_losses"][0]
+def test_training_steps_reduce_the_loss(two_ranks):
+    res = two_ranks[("steps",)]
+    _check(res, STEPS)
+    assert res["step_losses"][-1] < res["step_losses"][0]
 
 
-def test_tutorial_layout_fails_the_whole_batch_check(runs):
-    cfg = RunConfig(schedule="GPipe", preset="tiny", layout="tutorial", n_microbatches=4)
-    r = run(cfg, runs_root=runs, progress=False, stream="none", check=False)
-    assert r.status == "failed" and r.result["reference_match"] is False
-    assert r.result["max_abs_diff"] > 100 * cfg.tolerance
-    with pytest.raises(LaunchError, match="does not match the unsplit model"):
-        run(cfg, runs_root=runs, progress=False, stream="none")
+def test_tutorial_layout_fails_the_whole_batch_check(two_ranks, runs):
+    res = two_ranks[("tutorial_layout",)]
+    assert res["status"] == "failed" and res["reference_match"] is False
+    assert res["max_abs_diff"] > 100 * TUTORIAL_LAYOUT.tolerance
+    assert two_ranks["__job__"].job_exitcode == 3  # the job says a check failed
+    with pytest.raises(LaunchError, match="does not match the unsplit model"):  # and labkit.run raises
+        run(TUTORIAL_LAYOUT, runs_root=runs, progress=False, stream="none")
 
 
 def test_cli_run_contract(tmp_path, runs):

@@ -17,8 +17,10 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import worker
@@ -34,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-ab", action="store_true",
                    help="benchmark: PP debug logs on for half the steps and off for the other half, in "
                         "alternating pairs (result.json: step_pp_logs)")
+    p.add_argument("--suite", default=None,
+                   help="JSON list of {config, out}: run each config in turn on the same ranks (the test suite)")
     p.add_argument("--accumulate-pitfall", action="store_true",
                    help="teaching: accumulate with torch's default scale_grads=True and divide by G afterwards "
                         "(each step's scaling also divides the gradients accumulated before it: the check fails)")
@@ -144,6 +148,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
 def main(argv=None) -> int:
     a = parse_args(argv)
     worker.quiet_warnings()
+    if a.suite:
+        return run_suite(a)
     try:
         cfg = load_config(a, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
@@ -151,6 +157,48 @@ def main(argv=None) -> int:
         return 2
     out_dir = worker.run_dir(a.out)
     d = worker.init_distributed(cfg.device, cfg.pg_timeout)
+    rc = run_config(cfg, d, out_dir, a)
+    worker.teardown()
+    return rc
+
+
+def run_suite(a: argparse.Namespace) -> int:
+    """Several runs in one job (`--suite FILE`: a JSON list of {"config": RunConfig dict, "out": run
+    directory}), one after the other on the same ranks: the test suite's way to check many configs
+    without paying a launch each (~6 s of torchrun and imports on 2 cores). Every config needs the
+    job's world size; each writes its own result.json and spans; the PP logs are the job's."""
+    import json
+
+    from ..spans.record import recorder
+
+    items = json.loads(open(a.suite).read())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfgs = [RunConfig.from_dict(it["config"]) for it in items]
+        bad = [c for c in cfgs if c.world_size != world]
+        if bad:
+            raise ConfigError(f"--suite: every config needs {world} ranks; {bad[0].schedule} needs {bad[0].world_size}")
+    except ConfigError as e:
+        print(f"[labkit] configuration error: {e}", file=sys.stderr)
+        return 2
+    d = worker.init_distributed(cfgs[0].device, max(c.pg_timeout for c in cfgs))
+    worst = 0
+    for cfg, it in zip(cfgs, items):
+        out = Path(it["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.to_json(out / "config.json")
+        rec = recorder()
+        if rec is not None:
+            rec.use_file(out / "spans" / f"rank{d.rank}.jsonl")
+        worst = max(worst, run_config(cfg, d, out, a))
+        dist.barrier()
+    worker.teardown()
+    return worst
+
+
+def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
+    """One run on the job's ranks (the process group is up): build, step, check, result.json (rank 0).
+    Returns the job's exit code for it: 0 ok, 3 the check failed, 2 a split this model cannot take."""
     t0 = time.perf_counter()
 
     model = model_adapter(cfg)  # the tutorial Transformer, or a transformers model (labkit.models)
@@ -171,7 +219,6 @@ def main(argv=None) -> int:
     except NotImplementedError as e:  # a split this model cannot take (labkit.models.hf.TRACER_ROPE)
         if d.rank == 0:
             print(f"[labkit] configuration error: {e}", file=sys.stderr, flush=True)
-        worker.teardown()
         return 2
     if par is not None:
         compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
@@ -278,7 +325,6 @@ def main(argv=None) -> int:
         mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if par is not None else ""
         print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks{mesh}, {cfg.n_stages} stages, {cfg.n_microbatches} "
               f"microbatches: pipelined step {check.verdict()}", flush=True)
-    worker.teardown()
     return 0 if check.ok else 3
 
 
