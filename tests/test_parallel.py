@@ -51,23 +51,33 @@ def test_tensor_parallel_gradients_are_exact_in_float64(runs, tmp_path):
     assert worst < 1e-12, worst
 
 
-@pytest.mark.parametrize("flags, world", [
-    (["--dp-size", "2", "--fsdp", "--accumulate", "2"], 4),   # FSDP2 over the replicas, 2 steps per update
-    (["--dp-size", "2"], 4),                    # replicated: gradients all-reduced
-    (["--tp-size", "2"], 4),                    # the MLPs cut by columns then rows
-])
-def test_composed_runs_equal_one_step_on_the_global_batch(flags, world, runs):
-    out = runs / "_".join(f.strip("-") for f in flags)
-    r = subprocess.run(labkit_cli("run", "--schedule", "1F1B", "--nproc", "2", *flags, "--preset", "tiny",
-                                  "--microbatches", "2", "--batch-size", "8", "--device", "cpu", "--quiet",
-                                  "--out", str(out)), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads((out / "result.json").read_text())
-    assert res["reference_match"] is True and res["world_size"] == world
+COMPOSED = {  # 4 ranks each: real runs, one after the other in one job (conftest.run_suite)
+    "fsdp+accumulate": RunConfig(schedule="1F1B", pp_size=2, dp_size=2, fsdp=True, accumulate=2, preset="tiny",
+                                 n_microbatches=2, batch_size=8, device="cpu"),   # FSDP2, 2 steps per update
+    "replicated": RunConfig(schedule="1F1B", pp_size=2, dp_size=2, preset="tiny", n_microbatches=2, batch_size=8,
+                            device="cpu"),                                         # gradients all-reduced
+    "tp": RunConfig(schedule="1F1B", pp_size=2, tp_size=2, preset="tiny", n_microbatches=2, batch_size=8,
+                    device="cpu"),                                                 # MLPs cut by columns, then rows
+}
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    from conftest import kit_processes, run_suite
+
+    root = tmp_path_factory.mktemp("composed")
+    yield run_suite(root, "composed", COMPOSED, 4)
+    assert not kit_processes(root)
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
+    res, world = composed[name], 4
+    assert res is not None, composed["__job__"].error
+    assert res["reference_match"] is True and res["world_size"] == world, res.get("failure")
     assert res["checked_microbatches"] == 2 * res["dp_size"] * res.get("accumulate", 1)  # every replica, every chunk
     assert res["compared_param_elements"] == res["model_param_elements"]
     assert len(res["losses"]) == res["checked_microbatches"]
-    assert f"on {world} ranks" in r.stdout
     # memory per rank, measured: FSDP2 holds each parameter once over the replicas, replication dp times
     mem, whole = res["memory_per_rank"], 4 * res["model_param_elements"]  # float32
     held = sum(m["parameters"] for m in mem)
@@ -77,6 +87,14 @@ def test_composed_runs_equal_one_step_on_the_global_batch(flags, world, runs):
         assert abs(held - copies * whole) <= 4 * 1024, (held, whole)  # FSDP pads shards to equal sizes
     else:
         assert whole < held < 2 * whole  # TP cuts the MLPs, the attention stays replicated
+
+
+def test_the_command_line_names_the_mesh(runs):
+    r = subprocess.run(labkit_cli("run", "--schedule", "GPipe", "--nproc", "2", "--dp-size", "2", "--preset", "tiny",
+                                  "--microbatches", "2", "--batch-size", "8", "--device", "cpu", "--quiet",
+                                  "--out", str(runs / "cli")), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "on 4 ranks (pp 2 x dp 2 x tp 1), reference_match=True" in r.stdout
 
 
 @pytest.mark.parametrize("kw, message", [
