@@ -120,7 +120,16 @@ def replicated_average(par: Parallel, inner=None):
 def full_grads(grads: dict) -> dict:
     """Whole gradients from DTensor shards (`full_tensor()`: a collective over the tensor's mesh,
     so every rank of a stage's dp x tp group calls it, in the same order)."""
-    return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+    import logging
+
+    # 2-D shards (FSDP over TP) are gathered in two steps; torch logs a warning about it on every rank
+    noisy = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
+    try:
+        return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+    finally:
+        noisy.setLevel(level)
 
 
 def all_replicas_losses(par: Parallel, losses: list, n_microbatches: int, has_last: bool, device,
