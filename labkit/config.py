@@ -157,8 +157,8 @@ class RunConfig:
     """Data-parallel replicas of the pipeline (a (pp, dp, tp) DeviceMesh of pp_size x dp_size x tp_size
     ranks): each replica steps its share of the batch; gradients averaged over the replicas."""
     tp_size: int = 1
-    """Tensor-parallel ranks inside each stage (DTensor: the MLP's first Linear cut by columns, the
-    second by rows). Composition (dp, tp, fsdp) covers the tutorial model."""
+    """Tensor-parallel ranks inside each stage (DTensor plans: the tutorial model's MLP; a Llama-layout
+    model's attention heads and MLP). Not for gpt2 / bert (fused attention projections)."""
     fsdp: bool = False
     """Shard each stage over its data-parallel replicas with FSDP2 (`fully_shard`, reshard_after_forward
     False: with pipelining a stage runs several microbatches' forwards before their backwards, and
@@ -408,10 +408,11 @@ def validate_parallel(cfg: "RunConfig") -> None:
         # tutorial model's gradients differ by up to ~1.3e-4 where they cancel (the same run in float64
         # agrees to 1e-16: tests/test_parallel.py), so the default check allows 1e-3.
         cfg.tolerance = TP_TOLERANCE
-    if cfg.model_name != "tutorial":
-        raise ConfigError(f"--dp-size / --tp-size / --fsdp with --model {cfg.model_name}: composition is wired for "
-                          f"the tutorial model only so far (a transformers model's tied-weight groups and "
-                          f"attention plan are per pipeline). Use --model tutorial.")
+    if cfg.tp_size > 1 and cfg.model_name in ("gpt2", "bert"):
+        raise ConfigError(f"--tp-size {cfg.tp_size} with --model {cfg.model_name}: the kit's tensor-parallel plans cover "
+                          f"the tutorial model and Llama-layout models (q/k/v/o and gate/up/down projections); "
+                          f"{cfg.model_name}'s attention is one fused projection. Use --dp-size (with or without "
+                          f"--fsdp), or --model llama.")
     if cfg.inference or cfg.schedule_csv or cfg.split != "manual":
         raise ConfigError("Data or tensor parallelism runs training steps of manually split stages: drop "
                           "--inference, --schedule-csv and --split tracer, or use --dp-size 1 --tp-size 1.")

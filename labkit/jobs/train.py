@@ -215,7 +215,8 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
         par = compose.build_mesh(cfg, d.device)
     try:
         stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
-                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group))
+                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
+                                                    **({"par": par} if cfg.model_name != "tutorial" else {})))
     except NotImplementedError as e:  # a split this model cannot take (labkit.models.hf.TRACER_ROPE)
         if d.rank == 0:
             print(f"[labkit] configuration error: {e}", file=sys.stderr, flush=True)
@@ -242,9 +243,10 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     grad_scale = (1 / G if a.accumulate_pitfall else 1 / (cfg.n_microbatches * G)) if G > 1 else None
     # the whole (global) batch, the same on every rank: G updates' worth with --accumulate G
     x, y, model_kwargs = (model if G == 1 else model_adapter(cfg.accumulated())).batch(d.device)
-    x_mine, y_mine, after_backward = x, y, model.after_backward
+    x_mine, y_mine, after_backward, model_kwargs_mine = x, y, model.after_backward, model_kwargs
     if par is not None:  # this replica's share; replicated data parallelism averages the gradients
         x_mine, y_mine = compose.replica_share(par, x, y)
+        model_kwargs_mine = dict(zip(model_kwargs, compose.replica_share(par, *model_kwargs.values())))
         after_backward = compose.replicated_average(par, model.after_backward)
     chunks = None
     if G > 1:  # chunk g: samples [gB, (g+1)B) of the global batch, this replica's share of it
@@ -259,7 +261,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
         worker.annotate_stages(stages)
     with worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
-                                                   model.step_inputs(stages, x_mine, model_kwargs), after_backward,
+                                                   model.step_inputs(stages, x_mine, model_kwargs_mine), after_backward,
                                                    a.spans_ab, chunks, grad_scale, clip, memory=par is not None)
     peak = worker.peak_memory_bytes(d.device)
     has_last = any(s.is_last for s in stages)

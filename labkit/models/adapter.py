@@ -87,10 +87,12 @@ class HFAdapter:
         from . import hf
         return hf.loss_fn
 
-    def build_stages(self, full, rank, device, bounds=None, group=None):
-        """This rank's PipelineStages and how they were built (`group`: unused, one pipeline per job).
-        Collective: every rank calls it (the
-        tied weights' process group is made with `dist.new_group`, which every rank must enter)."""
+    def build_stages(self, full, rank, device, bounds=None, group=None, par=None):
+        """This rank's PipelineStages and how they were built. `rank`: its pipeline position; `group`:
+        its pipeline's process group and `par` (labkit.parallel.compose.Parallel) when the job holds
+        several pipelines (--dp-size / --tp-size): each pipeline gets its own tied-weight groups.
+        Collective: every rank calls it (the tied weights' process groups are made with
+        `dist.new_group`, which every rank must enter, for every pipeline, in the same order)."""
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
 
@@ -101,7 +103,7 @@ class HFAdapter:
         n = cfg.n_stages
         local = cfg.stages_of_rank(rank)
         rank_of = {s: r for r in range(cfg.pp_size) for s in cfg.stages_of_rank(r)}
-        group = dist.new_group if dist.is_initialized() else (lambda ranks: None)
+        new_group = dist.new_group if dist.is_initialized() else (lambda ranks: None)
         if cfg.split == "manual":
             meta = hf.build_hf(cfg.model_name, cfg.model, device="meta")
             tied_names = {n for g in hf.tied_groups(meta) for n in g}
@@ -111,9 +113,16 @@ class HFAdapter:
                 return [nm for nm, _ in meta.named_parameters(remove_duplicate=False)
                         if hf._owned(nm, paths) and (nm not in tied_names or _first_owned(meta, nm, paths))]
 
-            self.tied = hf.find_tied(meta, bounds, names, rank_of.get, group)
-            stages = [PipelineStage(hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, device), s, n, device)
-                      for s in local]
+            if par is None:
+                self.tied = hf.find_tied(meta, bounds, names, rank_of.get, new_group)
+            else:  # one set of tied groups per pipeline (every rank creates them all); keep our pipeline's
+                for dp in range(par.dp_size):
+                    for tp in range(par.tp_size):
+                        tw = hf.find_tied(meta, bounds, names, lambda s: par.global_rank(rank_of[s], dp, tp), new_group)
+                        if (dp, tp) == (par.dp_rank, par.tp_rank):
+                            self.tied = tw
+            stages = [PipelineStage(hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, device), s, n, device,
+                                    group=group) for s in local]
             how = "manual: built on meta, own modules kept and filled, PipelineStage"
         else:
             x, _, kw = self.batch("cpu")
@@ -122,7 +131,7 @@ class HFAdapter:
             dropped = {s: hf.drop_unused_parameters(pipe.get_stage_module(s)) for s in range(n)}
             self.tied = hf.find_tied(full, bounds,
                                      lambda s: [nm for nm, _ in pipe.get_stage_module(s).named_parameters()],
-                                     rank_of.get, group)
+                                     rank_of.get, new_group)
             if cfg.info.v_shaped:
                 stages = [PipelineStage(pipe.get_stage_module(s), s, n, device) for s in local]
                 how = "tracer: pipeline(), PipelineStage(pipe.get_stage_module(i))"

@@ -361,14 +361,20 @@ class TiedWeights:
             here = [mine[s].get_parameter(n) for s, n in g if s in mine]
             if not here:
                 continue
-            total = torch.zeros_like(here[0])
+            # FSDP2 (--fsdp): the gradients are DTensor shards, cut the same way on every copy: their
+            # local parts are summed (the collective sees plain tensors), the placement is kept
+            local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+            total = torch.zeros_like(local(here[0]))
             for p in here:
                 if p.grad is not None:
-                    total += p.grad
+                    total += local(p.grad)
             if len(ranks) > 1:
                 dist.all_reduce(total, group=pg)
             for p in here:
-                p.grad = total.clone()
+                if p.grad is not None and hasattr(p.grad, "to_local"):
+                    local(p.grad).copy_(total)
+                else:
+                    p.grad = total.clone()
 
 
 def find_tied(model: nn.Module, bounds: list[int], stage_names, rank_of_stage, make_group) -> TiedWeights:

@@ -60,7 +60,10 @@ def build_mesh(cfg, device: torch.device) -> Parallel:
 
 
 def tp_plan(module: nn.Module) -> dict:
-    """The tensor-parallel plan of a stage of the tutorial model: each decoder layer's MLP."""
+    """The tensor-parallel plan of a stage: the tutorial model's decoder layers (the MLP: linear1 by
+    columns, linear2 by rows; the packed attention stays replicated), or a Llama-layout block's
+    attention (q/k/v projections by columns: each rank computes heads/tp of the heads, kv heads
+    too; o_proj by rows) and MLP (gate/up by columns, down by rows), as torchtitan plans Llama."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
@@ -68,6 +71,12 @@ def tp_plan(module: nn.Module) -> dict:
         if isinstance(sub, nn.TransformerDecoderLayer):
             plan[f"{name}.linear1"] = ColwiseParallel()
             plan[f"{name}.linear2"] = RowwiseParallel()
+        elif all(hasattr(sub, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            plan.update({f"{name}.{a}": ColwiseParallel() for a in ("q_proj", "k_proj", "v_proj")})
+            plan[f"{name}.o_proj"] = RowwiseParallel()
+        elif all(hasattr(sub, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            plan.update({f"{name}.gate_proj": ColwiseParallel(), f"{name}.up_proj": ColwiseParallel(),
+                         f"{name}.down_proj": RowwiseParallel()})
     return plan
 
 
