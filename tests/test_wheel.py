@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 # What the notebooks import (grep notebooks/*.ipynb for "labkit"): all must come from the wheel.
 NOTEBOOK_IMPORTS = ["labkit", "labkit.notebook", "labkit.config", "labkit.model", "labkit.stages", "labkit.theory",
                     "labkit.plot", "labkit.compare", "labkit.logs", "labkit.workload", "labkit.sweep", "labkit.trace",
-                    "labkit.worker", "labkit.explorer", "labkit.reference", "labkit.ranks"]
+                    "labkit.worker", "labkit.explorer", "labkit.reference", "labkit.ranks", "labkit.models",
+                    "labkit.parallel", "labkit.spans"]
 
 USER_SCRIPT = """
 import os, torch.distributed as dist
@@ -69,6 +70,7 @@ def test_wheel_holds_the_jobs_and_no_repository_folders(fresh):
 
     names = zipfile.ZipFile(fresh["wheel"]).namelist()
     assert "labkit/jobs/train.py" in names and "labkit/jobs/controlled.py" in names
+    assert "labkit/spans/boot/sitecustomize.py" in names  # what records spans in every rank
     assert not [n for n in names if n.startswith(("scripts/", "tests/", "notebooks/"))]
 
 
@@ -88,6 +90,7 @@ def test_labkit_run_from_any_directory(fresh):
     run_dir = fresh["cwd"] / "r1"
     result = json.loads((run_dir / "result.json").read_text())
     assert result["reference_match"] is True and result["schedule"] == "1F1B"
+    assert sorted(p.name for p in (run_dir / "spans").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]  # from the wheel
     argv = json.loads((run_dir / "command.json").read_text())["argv"]
     assert argv[-2:] == ["-m", "labkit.jobs.train"], argv  # the job is the package's module, not a repo file
 

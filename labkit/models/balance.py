@@ -15,7 +15,7 @@ exactly (dynamic programming), and each stage's time is predicted as the sum of 
     costs = measure_units(cfg)                # measured on this process
     labkit run --model gpt2 --split-points auto ...
 
-Taught in notebook 11 (not yet written; see the README's known limits).
+Taught in notebook 11 (your own model: the wide_vocab model balanced, even vs balanced timelines).
 """
 
 from __future__ import annotations

@@ -284,9 +284,10 @@ def trace_pipe(full: nn.Module, bounds: list[int], example_ids, example_kwargs: 
 
 
 TRACER_ROPE = (
-    "The tracer cannot split a Llama-layout model (rotary position embeddings) on torch 2.11 to 2.15: "
-    "pipeline() builds the Pipe, but its first stage fails at the first step with 'Expected positional "
-    "argument for parameter unsqueeze_default' (or position_ids), pytorch/pytorch#184361 (open): the "
+    "The tracer cannot split a Llama-layout model (rotary position embeddings) on torch 2.11 to 2.15: on "
+    "2.13 to 2.15 pipeline() builds the Pipe, but its first stage fails at the first step with 'Expected "
+    "positional argument for parameter unsqueeze_default' (or position_ids); on 2.11 pipeline() itself "
+    "fails ('unexpected placeholder node'); pytorch/pytorch#184361 (open): the "
     "rotary module's ops land in two separate groups of the exported graph and the unflattener gives only "
     "one of them its inputs. Calling rotary_emb through its forward (no module call) breaks pipeline() "
     "itself ('no attribute submod_1'; tried on torch 2.13). Use --split manual, which cuts the same model "

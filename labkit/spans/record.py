@@ -190,13 +190,16 @@ def _patch() -> None:
     if hasattr(schedules, "_wait_batch_p2p") and "_wait_batch_p2p" not in _PATCHED:
         schedules._wait_batch_p2p = _wait_wrapper(schedules._wait_batch_p2p)
         _PATCHED.add("_wait_batch_p2p")
-    if "perform_reduce_grad" in vars(base) and "perform_reduce_grad" not in _PATCHED:  # FSDP's gradient reduction
-        base.perform_reduce_grad = _stage_op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD")
-        _PATCHED.add("perform_reduce_grad")
     try:  # FSDP2's all-gather / free of a stage's parameters (the runtime's UNSHARD / RESHARD actions)
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover (torch 2.11-2.15 have it)
         FSDPModule = None
+    if FSDPModule is not None and "perform_reduce_grad" in vars(base) and "perform_reduce_grad" not in _PATCHED:
+        # FSDP's gradient reduce-scatter; without FSDP the same call only scales the gradients by 1/m
+        # (runtime work, left to the overhead between actions), so only FSDP stages get a span
+        base.perform_reduce_grad = _stage_op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD",
+                                                     lambda st: isinstance(st.submod, FSDPModule))
+        _PATCHED.add("perform_reduce_grad")
     for name, kind in (("unshard", "UNSHARD"), ("reshard", "RESHARD")):
         if FSDPModule is not None and name in vars(FSDPModule) and f"FSDPModule.{name}" not in _PATCHED:
             setattr(FSDPModule, name, _module_op_wrapper(getattr(FSDPModule, name), kind))
@@ -236,11 +239,12 @@ def _compute_wrapper(inner, kind_of):
     return wrapper
 
 
-def _stage_op_wrapper(inner, kind: str):
-    """A stage method that is not compute (REDUCE_GRAD): a span with the stage's index."""
+def _stage_op_wrapper(inner, kind: str, applies=lambda stage: True):
+    """A stage method that is not compute (REDUCE_GRAD): a span with the stage's index, for the
+    stages where `applies(stage)`."""
     def wrapper(self, *args, **kwargs):
         rec = RECORDER
-        if rec is None or not rec.enabled:
+        if rec is None or not rec.enabled or not applies(self):
             return inner(self, *args, **kwargs)
         start = rec.now()
         out = inner(self, *args, **kwargs)
