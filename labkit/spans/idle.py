@@ -17,24 +17,13 @@ The causes add up to the spans' idle time exactly (the bubble). Taught in notebo
 
 from __future__ import annotations
 
-from ..logs.gaps import CAUSES, IdleReport
+from ..logs.gaps import CAUSES, IdleReport, _covered
 from ..timeline import COMPUTE_KINDS
 from .read import Span, read_spans, select_step
 
 __all__ = ["explain_idle_spans"]
 
 COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
-
-
-def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    pieces = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
-    total, end = 0.0, lo
-    for a, b in pieces:
-        a = max(a, end)
-        if b > a:
-            total += b - a
-            end = b
-    return total
 
 
 def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | None = None,

@@ -197,12 +197,15 @@ def _patch() -> None:
     if FSDPModule is not None and "perform_reduce_grad" in vars(base) and "perform_reduce_grad" not in _PATCHED:
         # FSDP's gradient reduce-scatter; without FSDP the same call only scales the gradients by 1/m
         # (runtime work, left to the overhead between actions), so only FSDP stages get a span
-        base.perform_reduce_grad = _stage_op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD",
-                                                     lambda st: isinstance(st.submod, FSDPModule))
+        base.perform_reduce_grad = _op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD",
+                                               lambda st, rec: isinstance(st.submod, FSDPModule),
+                                               lambda st: st.stage_index)
         _PATCHED.add("perform_reduce_grad")
     for name, kind in (("unshard", "UNSHARD"), ("reshard", "RESHARD")):
         if FSDPModule is not None and name in vars(FSDPModule) and f"FSDPModule.{name}" not in _PATCHED:
-            setattr(FSDPModule, name, _module_op_wrapper(getattr(FSDPModule, name), kind))
+            # inside a step only: FSDP outside pipelining is left alone
+            setattr(FSDPModule, name, _op_wrapper(getattr(FSDPModule, name), kind, lambda m, rec: rec.depth > 0,
+                                                  lambda m: -1))
             _PATCHED.add(f"FSDPModule.{name}")
     for obj in list(vars(schedules).values()):
         if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule):
@@ -233,42 +236,29 @@ def _compute_wrapper(inner, kind_of):
         rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, rec.now())
         return out
 
+    return _as(inner, wrapper)
+
+
+def _op_wrapper(inner, kind: str, applies, stage_of):
+    """A call that is not compute (FSDP's REDUCE_GRAD, UNSHARD, RESHARD): a span of `kind` when
+    `applies(self, recorder)`, in the row of stage `stage_of(self)` (-1: the next compute's)."""
+    def wrapper(self, *args, **kwargs):
+        rec = RECORDER
+        if rec is None or not rec.enabled or not applies(self, rec):
+            return inner(self, *args, **kwargs)
+        start = rec.now()
+        out = inner(self, *args, **kwargs)
+        rec.add(kind, stage_of(self), -1, start, rec.now())
+        return out
+
+    return _as(inner, wrapper)
+
+
+def _as(inner, wrapper):
+    """`wrapper` stands for `inner` (name, docstring; `__wrapped__` leads back to torch's own)."""
     wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    wrapper.__name__ = inner.__name__
+    wrapper.__name__ = getattr(inner, "__name__", wrapper.__name__)
     wrapper.__doc__ = inner.__doc__
-    return wrapper
-
-
-def _stage_op_wrapper(inner, kind: str, applies=lambda stage: True):
-    """A stage method that is not compute (REDUCE_GRAD): a span with the stage's index, for the
-    stages where `applies(stage)`."""
-    def wrapper(self, *args, **kwargs):
-        rec = RECORDER
-        if rec is None or not rec.enabled or not applies(self):
-            return inner(self, *args, **kwargs)
-        start = rec.now()
-        out = inner(self, *args, **kwargs)
-        rec.add(kind, self.stage_index, -1, start, rec.now())
-        return out
-
-    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    wrapper.__name__ = inner.__name__
-    return wrapper
-
-
-def _module_op_wrapper(inner, kind: str):
-    """An FSDP module's unshard / reshard (inside a step only: FSDP outside pipelining is left alone)."""
-    def wrapper(self, *args, **kwargs):
-        rec = RECORDER
-        if rec is None or not rec.enabled or rec.depth == 0:
-            return inner(self, *args, **kwargs)
-        start = rec.now()
-        out = inner(self, *args, **kwargs)
-        rec.add(kind, -1, -1, start, rec.now())
-        return out
-
-    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    wrapper.__name__ = inner.__name__
     return wrapper
 
 
@@ -297,8 +287,7 @@ def _post_wrapper(inner):
             rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what)
         return works
 
-    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    return wrapper
+    return _as(inner, wrapper)
 
 
 def _wait_wrapper(inner):
@@ -314,8 +303,7 @@ def _wait_wrapper(inner):
         rec.add("WAIT", -1, -1, start, rec.now(), what)
         return out
 
-    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    return wrapper
+    return _as(inner, wrapper)
 
 
 def _step_wrapper(inner):
@@ -329,7 +317,4 @@ def _step_wrapper(inner):
         finally:
             rec.end_step()
 
-    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-    wrapper.__name__ = inner.__name__
-    wrapper.__doc__ = inner.__doc__
-    return wrapper
+    return _as(inner, wrapper)
