@@ -209,9 +209,64 @@ def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between
             "profiler": {**_ratio(prof, none_b), "steps": between_steps}, "preset": preset}
 
 
+def _readings(run_dir) -> dict:
+    """One profiled run's last step read by every instrument: bubble fraction from spans, the profiler,
+    and the three log readings (raw: waits folded into the next action; split; trimmed)."""
+    from labkit.compare import load_timeline, one_step
+    from labkit.logs import timeline_from_path
+
+    spans = load_timeline(run_dir, "spans")
+    steps = spans.meta["steps"]
+
+    def last(tl):
+        tl.meta["steps"] = steps  # every reading holds the same steps: keep the last
+        return one_step(tl).metrics()["bubble_fraction"]
+
+    out = {"spans": last(spans), "profiler": last(load_timeline(run_dir, "profiler")),
+           "logs raw": last(timeline_from_path(run_dir, waits="fold")),
+           "logs split": last(timeline_from_path(run_dir, waits="split")),
+           "logs trimmed": last(timeline_from_path(run_dir, waits="trim"))}
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def instrument_fidelity(steps: int = 3) -> list[dict]:
+    """The instruments on ms-scale real models (issue: exact timelines): the tiny tutorial Transformer
+    (1F1B and Interleaved1F1B, `labkit run --profile`) and a learner-sized MLP (scripts/mlp_pipeline.py,
+    hidden 256 and 4096, through `labkit launch`), each one profiled job: every reading of its last step."""
+    from labkit import RunConfig
+    from labkit.launch import launch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for schedule in ("1F1B", "Interleaved1F1B"):
+            cfg = RunConfig(schedule=schedule, preset="tiny", steps=steps, profile=True, device="cpu")
+            r = _reference_launch(cfg, tmp)
+            rows.append({"model": "tutorial Transformer (tiny)", "schedule": schedule, **_readings(r.run_dir)})
+        for hidden in (256, 4096):
+            r = launch(REPO_ROOT / "scripts" / "mlp_pipeline.py", ["--hidden", str(hidden), "--steps", str(steps),
+                                                                  "--profile"],
+                       nproc=2, runs_root=tmp, progress=False, stream="none")
+            rows.append({"model": f"MLP 64-{hidden}-64", "schedule": "1F1B", **_readings(r.run_dir)})
+    return rows
+
+
+def _instrument_rows(rows: list[dict] | None) -> list[str]:
+    if not rows:
+        return []
+    out = ["", "Instruments on ms-scale real models (last of 3 steps, one profiled job each; error = reading - "
+           "spans):", "",
+           "| model | schedule | spans | profiler (err) | logs raw (err) | logs split (err) | logs trimmed (err) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cell = lambda k: f"{r[k]:.3f} ({r[k] - r['spans']:+.3f})"  # noqa: E731
+        out.append(f"| {r['model']} | {r['schedule']} | {r['spans']:.3f} | {cell('profiler')} | {cell('logs raw')} | "
+                   f"{cell('logs split')} | {cell('logs trimmed')} |")
+    return out
+
+
 def fidelity(shapes=((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)), schedules=("GPipe", "1F1B"),
              fwd_ms: float = 30, bwd_ms: float = 60) -> list[dict]:
-    """Measured (PP logs, waits trimmed) vs ideal (closed form) bubble on the controlled workload."""
+    """Measured (spans, the kit's default reading) vs ideal (closed form) bubble on the controlled workload."""
     from labkit.compare import measured_vs_ideal
     from labkit.theory import closed_form_bubble
     from labkit.workload import WorkloadConfig, run_controlled
@@ -440,6 +495,8 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     say("span recording overhead")
     so = spans_within_jobs(n=1 if quick else 3, steps=8 if quick else 80, preset="tiny" if quick else "small")
     res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], so
+    say("instruments on real models (spans, profiler, logs)")
+    res["instrument_fidelity"] = instrument_fidelity()
     say("fidelity")
     res["fidelity"] = fidelity(shapes=((2, 4),) if quick else ((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)),
                                fwd_ms=20 if quick else 30, bwd_ms=40 if quick else 60)
@@ -560,6 +617,7 @@ def markdown(res: dict) -> str:
     lines += ["", "## Fidelity (bubble fraction = idle share of wall time)", "",
               "| schedule | pp_size | n_microbatches | measured | ideal (p-1)/(m+p-1) |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['measured_bubble']:.3f} | {r['ideal_bubble']:.3f} |" for r in f]
+    lines += _instrument_rows(res.get("instrument_fidelity"))
     return "\n".join(lines) + "\n"
 
 
@@ -568,7 +626,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast subset (smoke test)")
     ap.add_argument("--no-notebooks", action="store_true")
     ap.add_argument("--out", default=str(BENCH_DIR))
-    ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans"],
+    ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
+                                                      "instruments"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -577,6 +636,8 @@ def main(argv=None) -> int:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         if "live_ranks" in a.only:
             res["live_ranks"] = {**live_ranks(), "date": stamp}
+        if "instruments" in a.only:
+            res["instrument_fidelity"], res["instrument_fidelity_date"] = instrument_fidelity(), stamp
         if "spans" in a.only:
             so = spans_within_jobs()
             res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], {**so, "date": stamp}

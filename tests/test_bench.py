@@ -129,3 +129,11 @@ def test_live_ranks_bench_measures_a_real_cell_and_a_real_job():
     assert 0 < out["empty_cell_median_ms"] <= out["empty_cell_max_ms"]
     row = bench.markdown({**_minimal_results(), "live_ranks": out})
     assert "live ranks: fresh 2-rank job / a cell on 2 warm ranks" in row and "empty cell's round trip" in row
+
+
+def test_the_instruments_table_shows_each_reading_with_its_error_against_spans():
+    rows = [{"model": "MLP 64-256-64", "schedule": "1F1B", "spans": 0.5, "profiler": 0.49, "logs raw": 0.1,
+             "logs split": 0.3, "logs trimmed": 0.6}]
+    text = "\n".join(bench._instrument_rows(rows))
+    assert "| MLP 64-256-64 | 1F1B | 0.500 | 0.490 (-0.010) | 0.100 (-0.400) | 0.300 (-0.200) | 0.600 (+0.100) |" in text
+    assert bench._instrument_rows(None) == []
