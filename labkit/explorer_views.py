@@ -201,8 +201,9 @@ def measured_view(run_dir, png: bool = True) -> dict:
         f"<b>{im['bubble_fraction']:.1%}</b>, bubble_ratio <b>{im['bubble_ratio']:.2f}</b>, "
         f"makespan {im['makespan'] * 1e3:.1f} ms.",
     ]
-    lines.append("Waits for a neighbour's tensor are taken out of the logged spans (labkit.compare.load_timeline); "
-                 "run with profile=True for exact compute spans.")
+    lines.append("Measured from spans: both ends of every action, recorded in the ranks (labkit.spans)."
+                 if measured.source == "spans" else
+                 "Measured from the PP logs, waits taken out (labkit.compare.load_timeline): starts are inferred.")
     view = {"measured": measured, "ideal": ideal, "measured_metrics": mm, "ideal_metrics": im, "cost": cost,
             "error": None, "html": "<br>".join(lines), "png": None}
     if png:
