@@ -10,7 +10,8 @@ and schedule a script builds is covered, with no change to the script):
   of an OVERLAP_F_B pair (the runtime calls them one after the other);
 - communication: `schedules._batch_p2p` (posting sends / receives: kind SEND or RECV) and
   `schedules._wait_batch_p2p` (waiting for them: kind WAIT, `what` says recv, send or both);
-- FSDP2 under pipelining: `perform_reduce_grad` (REDUCE_GRAD) and `FSDPModule.unshard` / `reshard`
+- FSDP2 under pipelining: `perform_reduce_grad` (2.15: `start_gradient_reduction` and
+  `wait_for_gradient_reduction`) as REDUCE_GRAD, and `FSDPModule.unshard` / `reshard`
   (UNSHARD / RESHARD: the runtime's actions of those names; the all-gather itself may finish inside
   the next compute, which waits for it);
 - steps: each schedule class's `step` / `eval`: spans are numbered by step and written when a step
@@ -194,13 +195,15 @@ def _patch() -> None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover (torch 2.11-2.15 have it)
         FSDPModule = None
-    if FSDPModule is not None and "perform_reduce_grad" in vars(base) and "perform_reduce_grad" not in _PATCHED:
-        # FSDP's gradient reduce-scatter; without FSDP the same call only scales the gradients by 1/m
-        # (runtime work, left to the overhead between actions), so only FSDP stages get a span
-        base.perform_reduce_grad = _op_wrapper(base.perform_reduce_grad, "REDUCE_GRAD",
-                                               lambda st, rec: isinstance(st.submod, FSDPModule),
-                                               lambda st: st.stage_index)
-        _PATCHED.add("perform_reduce_grad")
+    # FSDP's gradient reduce-scatter: perform_reduce_grad (2.11-2.14), start_gradient_reduction and
+    # wait_for_gradient_reduction (2.15, the runtime's REDUCE_GRAD / WAIT_REDUCE_GRAD). Without FSDP
+    # perform_reduce_grad only scales the gradients by 1/m (runtime work, left to the overhead between
+    # actions), so only FSDP stages get a span
+    for name in ("perform_reduce_grad", "start_gradient_reduction", "wait_for_gradient_reduction"):
+        if FSDPModule is not None and name in vars(base) and name not in _PATCHED:
+            setattr(base, name, _op_wrapper(getattr(base, name), "REDUCE_GRAD",
+                                            lambda st, rec: isinstance(st.submod, FSDPModule), lambda st: st.stage_index))
+            _PATCHED.add(name)
     for name, kind in (("unshard", "UNSHARD"), ("reshard", "RESHARD")):
         if FSDPModule is not None and name in vars(FSDPModule) and f"FSDPModule.{name}" not in _PATCHED:
             # inside a step only: FSDP outside pipelining is left alone
