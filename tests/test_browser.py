@@ -272,6 +272,10 @@ def test_explorer_in_jupyterlab(tmp_path):
         # A valid change: the ideal timeline follows at once.
         before = panel.locator("img.pplab-theory-image").get_attribute("src")
         panel.locator(".pplab-schedule select").select_option(label="1F1B")
+        # As a learner sees it: the kernel has redrawn for the new schedule before the next edit. Typing
+        # while that change is still in flight raced ipywidgets' echo of the old value on a loaded CI
+        # machine (the box went back to 3 and stayed there).
+        expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 3 microbatches", timeout=UI_TIMEOUT_MS)
         mb.fill("8")
         mb.press("Tab")
         expect(theory).to_contain_text("Ideal 1F1B, pp_size=2, 8 microbatches", timeout=UI_TIMEOUT_MS)
