@@ -69,6 +69,21 @@ def test_failing_rank_is_named_with_its_log_tail(script, runs):
     assert time.monotonic() - t0 < 30
 
 
+TEARDOWN_ABORT = textwrap.dedent("""
+    import os, sys
+    print("done", flush=True)
+    sys.stderr.write("terminate called without an active exception\\n"); sys.stderr.flush()
+    os.abort()  # what torch's gloo teardown race looks like from outside: SIGABRT after the last line
+""")
+
+
+def test_an_abort_at_interpreter_exit_says_how_to_end_the_script(script, runs):
+    with pytest.raises(LaunchError) as e:
+        launch(script(TEARDOWN_ABORT), nproc=1, runs_root=runs, progress=False, stream="none")
+    msg = str(e.value)
+    assert "Rank 0 failed" in msg and "exit_now(0)" in msg and "destroy_process_group" in msg, msg
+
+
 def test_cli_launch_returns_the_jobs_exit_code(script, runs):
     out = runs / "exit7"
     p = subprocess.run(labkit_cli("launch", "--nproc", "2", "--out", str(out), "--quiet", str(script(HELLO))),

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from labkit.config import RunConfig
 from labkit.model import build_model, make_batch, tokenwise_loss_fn
 from labkit.parallel.compose import tp_plan
+from labkit.worker import exit_now
 
 dist.init_process_group("gloo")
 cfg = RunConfig(schedule="1F1B", preset="tiny")
@@ -38,6 +39,7 @@ worst = max(float(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else 
 if dist.get_rank() == 0:
     print("WORST", worst)
 dist.destroy_process_group()
+exit_now(0)  # as the kit's jobs end: torch's gloo + DTensor teardown can abort at exit (diagnose.TEARDOWN_HINT)
 """
 
 

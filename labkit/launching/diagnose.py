@@ -130,12 +130,23 @@ def stack_report(run: Run) -> dict[int, str]:
     return where
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+TEARDOWN_HINT = (
+    "Hint: this rank aborted while Python was shutting down, after its script's last line: a torch "
+    "teardown race (a gloo collective's thread still calling into Python at exit; seen with DTensor / "
+    "tensor parallelism on torch 2.14 and 2.15). End the script with dist.destroy_process_group() and then "
+    "labkit.worker.exit_now(0), as the kit's own jobs do.")
+
+
 def error_message(run: Run, headline: str) -> str:
     """The headline, the exact command, and the tail of the failing rank's log (or of launcher.log)."""
     parts = [headline, f"Command: {shlex.join(run.command)}", f"Run directory: {run.run_dir}"]
     if run.failed_rank is not None:
         parts.append(f"Last lines of rank {run.failed_rank}'s log ({run.rank_dir(run.failed_rank)}):")
-        parts.append(run.tail(run.failed_rank) or "(empty)")
+        tail = run.tail(run.failed_rank) or "(empty)"
+        parts.append(tail)
+        if TEARDOWN_ABORT in tail:
+            parts.append(TEARDOWN_HINT)
     elif run.status == "timeout":
         parts.append("Every rank's stack: stacks.txt in the run directory.")
     else:
