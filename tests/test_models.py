@@ -140,7 +140,11 @@ def model_runs(tmp_path_factory):
     from conftest import kit_processes, run_suite
 
     root = tmp_path_factory.mktemp("models")
-    yield run_suite(root, "models", {c: _case_config(*c) for c in CASES}, 2)
+    configs = {c: _case_config(*c) for c in CASES}
+    # --split-points auto on a heavy last stage (a 32k vocabulary): measured on the job's ranks, then run
+    configs["auto"] = RunConfig(model_name="llama", preset="wide_vocab", schedule="1F1B", split_points=["auto"],
+                                n_microbatches=2)
+    yield run_suite(root, "models", configs, 2)
     assert not kit_processes(root)
 
 
@@ -156,6 +160,15 @@ def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, s
 
 
 # ---- balancing (labkit.models.balance) ----
+
+def test_split_points_auto_balances_a_real_run_and_still_matches(model_runs):
+    res = model_runs["auto"]
+    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
+    bounds, plan = res["layer_bounds"], res["balance"]
+    assert bounds == plan["bounds"] and bounds[0] == 0 and len(bounds) == 3
+    assert bounds[1] > bounds[2] // 2  # the heavy head's stage gets fewer blocks than an even cut
+    assert max(plan["stage_time_s"]) <= max(plan["even_stage_time_s"])
+
 
 def test_best_bounds_relieves_a_heavy_last_stage():
     from labkit.models.balance import balance, best_bounds
