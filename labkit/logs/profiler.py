@@ -1,7 +1,15 @@
-"""Timelines from torch.profiler traces (`labkit run --profile`): exact compute spans per rank.
+"""Timelines from torch.profiler traces (`labkit run --profile`): each rank's compute actions, as
+the host saw them.
 
 The kit's scripts name each stage's compute themselves when profiling (`labkit::<stage><kind><mb>`,
-see `labkit.worker.annotate_stages`): those spans are exact for every schedule. For any other
+see `labkit.worker.annotate_stages`). On a CPU those ranges are the compute itself, for every
+schedule (they agree with the kit's spans within 0.03: notebook 06, bench). On a GPU they are not:
+an annotation is a host-side range (`cat: user_annotation`), and so are the operators that narrow
+torch's own annotations below (`cat: cpu_op`), so with asynchronous kernels they time the *launch*
+of an action's work, not the kernels (which the trace holds as separate device events, `cat: kernel`, on the GPU's
+streams; this reader does not use them). A GPU timeline needs device times: the kit's spans, CUDA
+events around each action (`labkit.spans.record`); what the profiler reads on a GPU has not been
+measured in this lab (notebook 06, section 4). For any other
 script, the schedules' own annotations are used: they wrap each action in `record_function`: `Forward <i>` / `Backward <i>` in the
 single-stage schedules (GPipe, 1F1B) and `PP:<action>` in the multi-stage runtime (`PP:0F1`,
 `PP:2I0`, `PP:3W0`, `PP:(0F3;3B1)OVERLAP_F_B`). Those spans begin BEFORE the wait for the
