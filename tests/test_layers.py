@@ -30,5 +30,26 @@ def test_the_timeline_model_imports_nothing_of_the_kit():
 
 
 def test_code_inside_a_rank_does_not_import_the_launcher():
-    for f in (PKG / "worker.py", PKG / "spans" / "record.py"):
+    for f in (PKG / "worker.py", PKG / "spans" / "record.py", PKG / "ranks" / "rank.py"):
         assert not [m for m in kit_imports(f) if m.startswith("labkit.launching")], f
+
+
+def test_the_log_format_has_one_home_both_sides_use():
+    """The kit's PP log format is defined once, beside its reader (labkit.logs.parse): the launcher
+    sets it for a job's ranks and a live rank formats its cell's log with it, and what it writes
+    parses back with its microsecond stamp."""
+    import logging
+
+    from labkit.launch import PP_LOG_FORMAT as exported
+    from labkit.launching import command
+    from labkit.logs.parse import PP_LOG_FORMAT, parse_lines
+
+    assert command.PP_LOG_FORMAT is PP_LOG_FORMAT and exported is PP_LOG_FORMAT
+    assert "labkit.logs.parse" in kit_imports(PKG / "ranks" / "rank.py")
+    assert "PP_LOG_FORMAT =" not in (PKG / "launching" / "command.py").read_text()
+    record = logging.LogRecord("torch.distributed.pipelining.stage", logging.DEBUG, "stage.py", 1,
+                               "[Stage 1] Forwarded chunk 2, outputs: x", None, None)
+    record.created = 1732241358.636123
+    (event,) = parse_lines([logging.Formatter(PP_LOG_FORMAT).format(record)], rank=1)
+    assert (event.rank, event.kind, event.stage, event.microbatch) == (1, "F", 1, 2)
+    assert abs(event.time - 1732241358.636123) < 1e-6

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from ..clean import OWNER_VAR, RUN_DIR_VAR, owner_token
 from ..config import ConfigError
+from ..logs.parse import PP_LOG_FORMAT  # the kit's log format (its home is beside its reader)
 from ..rendezvous import BACKEND_NAME
 from ..spans.paths import BOOT_DIR, SPANS_DIR_VAR
 
-# The pipelining logger at DEBUG, with microsecond timestamps (Python's default gives whole ms).
-PP_LOG_FORMAT = "%(created).6f %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_TIMEOUT", "900"))  # a hung lab job ends within 15 minutes
 
 

@@ -3,7 +3,7 @@
 This module owns the log formats: which lines are pipelining records, their time stamps, ranks and
 continuation lines (what each message means is `labkit.logs.messages`'s). It reads:
 
-- the kit's format (`labkit.launch.PP_LOG_FORMAT`, one file per rank, microsecond epoch stamps):
+- the kit's format (`PP_LOG_FORMAT`, defined here, one file per rank, microsecond epoch stamps):
   `1732241358.636123 D torch.distributed.pipelining.schedules schedules.py:2614] msg`;
   the rank comes from the file path (torchrun's `.../attempt_N/<rank>/stderr.log`) or `rank=`.
 - torch's default format (glog style, whole milliseconds, local time without a year), either one
@@ -32,7 +32,13 @@ from typing import Iterable, Iterator
 
 from .messages import _NOTHING, Event, decode_message
 
-__all__ = ["parse_lines", "parse_files", "parse_run_dir", "rank_from_path", "log_files"]
+__all__ = ["PP_LOG_FORMAT", "parse_lines", "parse_files", "parse_run_dir", "rank_from_path", "log_files"]
+
+# The kit's format for the pipelining logger: DEBUG, microsecond epoch stamps (Python's default gives
+# whole ms). Defined here, beside its reader, because both sides write it: the launcher sets it as
+# TORCH_LOGS_FORMAT for a job's ranks (labkit.launching.command), and a live rank formats its cell's
+# log file with it (labkit.ranks.rank), which must not import the launcher's side.
+PP_LOG_FORMAT = "%(created).6f %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
 
 # ---------------------------------------------------------------------------------------------
 # line formats

@@ -189,7 +189,7 @@ def _cell_spans(path: Path):
 
 
 def run_cell(msg: dict, ns: dict, link: Link) -> dict:
-    from ..launching.command import PP_LOG_FORMAT
+    from ..logs.parse import PP_LOG_FORMAT  # not the launcher's side: this code runs inside a rank
 
     n, code, log_path = msg["cell"], msg["code"], msg["log"]
     filename = f"<cell {n}>"
