@@ -1,5 +1,7 @@
 """Pipelining composed with data and tensor parallelism (labkit.parallel): each run equals ONE step
 of the unsplit model on the whole GLOBAL batch, every loss and every gradient (gathered from shards).
+Every schedule family is composed: one stage per rank (1F1B; GPipe through the command line), 2 per
+rank (LoopedBFS under FSDP2), a split backward (InterleavedZeroBubble, ZBVZeroBubble) and DualPipeV.
 
 Stated tolerance: 1e-4 with data parallelism (replicated or FSDP2); 1e-3 with tensor parallelism,
 whose cut matmuls add in another order in float32 (the same model in float64 agrees to 1e-12: the
@@ -64,6 +66,16 @@ COMPOSED = {  # 4 ranks each: real runs, one after the other in one job (conftes
                           batch_size=8, device="cpu"),                  # attention heads and MLP cut (torchtitan's plan)
     "gpt2 fsdp": RunConfig(model_name="gpt2", schedule="1F1B", pp_size=2, dp_size=2, fsdp=True, preset="tiny",
                            n_microbatches=2, batch_size=8, device="cpu"),  # tied weight summed per pipeline, sharded
+    # every schedule family composed: 2 stages per rank under FSDP2 (LoopedBFS: torchtitan's pick for FSDP,
+    # each stage's forwards together), clipped over the sharded mesh
+    "loopedbfs fsdp clip": RunConfig(schedule="LoopedBFS", pp_size=2, dp_size=2, fsdp=True, preset="tiny",
+                                     n_microbatches=2, batch_size=8, device="cpu", clip_grad_norm=0.05),
+    "zero bubble dp": RunConfig(schedule="InterleavedZeroBubble", pp_size=2, dp_size=2, preset="tiny",
+                                n_microbatches=2, batch_size=8, device="cpu"),   # I/W split, gradients all-reduced
+    "zbv fsdp": RunConfig(schedule="ZBVZeroBubble", pp_size=2, dp_size=2, fsdp=True, preset="tiny", n_microbatches=4,
+                          batch_size=8, device="cpu"),                          # V placement, I/W split, sharded
+    "dualpipev tp clip": RunConfig(schedule="DualPipeV", pp_size=2, tp_size=2, preset="tiny", n_microbatches=4,
+                                   batch_size=8, device="cpu", clip_grad_norm=0.05),  # F and B overlapped, TP shards
 }
 
 
@@ -81,7 +93,9 @@ def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
     res, world = composed[name], 4
     assert res is not None, composed["__job__"].error
     assert res["reference_match"] is True and res["world_size"] == world, res.get("failure")
-    assert res["checked_microbatches"] == 2 * res["dp_size"] * res.get("accumulate", 1)  # every replica, every chunk
+    cfg = COMPOSED[name]
+    assert (res["schedule"], res["n_stages"]) == (cfg.schedule, cfg.n_stages)
+    assert res["checked_microbatches"] == cfg.n_microbatches * res["dp_size"] * res.get("accumulate", 1)  # all replicas, chunks
     assert res["compared_param_elements"] == res["model_param_elements"]
     assert len(res["losses"]) == res["checked_microbatches"]
     # memory per rank, measured: FSDP2 holds each parameter once over the replicas, replication dp times
@@ -95,6 +109,34 @@ def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
         assert copies * whole <= held <= 1.05 * copies * whole, (held, whole)
     else:
         assert whole < held < 2 * whole  # TP cuts the MLPs, the attention stays replicated
+
+
+CLIPPED = [name for name, cfg in COMPOSED.items() if cfg.clip_grad_norm]
+
+
+@pytest.mark.parametrize("name", CLIPPED)
+def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
+    """The norm each run recorded before clipping is the unsplit model's on the global batch (each
+    shard, FSDP's or TP's, counted once), the clipping acted, and the clipped gradients matched
+    (reference_match: the reference is clipped the same way). The norm's tolerance: 1e-5 relative
+    with FSDP; with TP the run's stated 1e-3 (TP's float32 sums in another order move the norm by
+    ~2.4e-4 here; the unpipelined TP model in float32 has the same norm as the run to 1e-8, and in
+    float64 the unsplit model's exactly)."""
+    import math
+
+    from labkit.model import build_model, make_batch, tokenwise_loss_fn
+    from labkit.reference import whole_batch_reference
+
+    cfg, res = COMPOSED[name], composed[name]
+    assert res is not None, composed["__job__"].error
+    x, y = make_batch(cfg)
+    ref = whole_batch_reference(build_model(cfg), x, y, res["checked_microbatches"], tokenwise_loss_fn)
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.grads.values()))
+    recorded = res["grad_norm_before_clip"]
+    tol = res["tolerance"] if res["tp_size"] > 1 else 1e-5 * norm
+    assert len(recorded) == 1 and recorded[0] == pytest.approx(norm, abs=tol), (recorded, norm)
+    assert norm > cfg.clip_grad_norm  # the clipping did act
+    assert res["reference_match"] is True and res["clip_grad_norm"] == cfg.clip_grad_norm, res.get("failure")
 
 
 def test_the_command_line_names_the_mesh(runs):
