@@ -106,6 +106,27 @@ def test_idle_causes_are_measured_per_gap_and_add_up_to_the_bubble():
         assert sum(rep.idle[r].values()) == pytest.approx(tl_idle[r])  # the causes add up to the idle time
 
 
+def test_time_by_kind_counts_nested_spans_once_per_rank_and_step():
+    """What FSDP costs (notebook 12): each kind's covered time in the rank's step; torch 2.15's
+    perform_reduce_grad is a REDUCE_GRAD around its own start and wait, which must count once."""
+    from labkit.spans.read import time_by_kind
+
+    s = [Span(0, 0, "F", 0, 0, 0.0, 9.0),                                  # an earlier step: not read
+         Span(0, 1, "UNSHARD", -1, -1, 10.0, 10.5), Span(0, 1, "F", 0, 0, 10.5, 11.5),
+         Span(0, 1, "B", 0, 0, 11.7, 12.7),                                 # 11.5 .. 11.7: between spans
+         Span(0, 1, "REDUCE_GRAD", 0, -1, 12.7, 14.0),
+         Span(0, 1, "REDUCE_GRAD", 0, -1, 12.8, 13.0), Span(0, 1, "REDUCE_GRAD", 0, -1, 13.1, 13.9),
+         Span(1, 1, "F", 1, 0, 10.0, 11.0), Span(1, 1, "WAIT", -1, -1, 11.0, 12.0, "recv")]
+    t = time_by_kind(s)  # the last step
+    assert set(t) == {0, 1}
+    assert t[0].step == pytest.approx(4.0) and t[0].busy == pytest.approx(3.8)
+    assert t[0].kinds == pytest.approx({"UNSHARD": 0.5, "F": 1.0, "B": 1.0, "REDUCE_GRAD": 1.3})
+    assert t[0].shares()["REDUCE_GRAD"] == pytest.approx(1.3 / 4.0)
+    assert sum(t[0].shares().values()) == pytest.approx(t[0].busy / t[0].step)  # no kind inside another here
+    assert t[1].kinds == pytest.approx({"F": 1.0, "WAIT": 1.0}) and t[1].step == pytest.approx(2.0)
+    assert time_by_kind(s, 0)[0].kinds == {"F": 9.0}
+
+
 # ---- real jobs ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..timeline import COMPUTE_KINDS, Action, Timeline
 from .paths import span_files
 
-__all__ = ["Span", "read_spans", "timeline_from_spans", "has_spans"]
+__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind"]
 
 
 class Span(NamedTuple):
@@ -108,3 +108,41 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
         "starts": "measured: both ends of every action (labkit.spans)"})
     return tl
 
+
+
+class KindTimes(NamedTuple):
+    """One rank's step by kind of span (`time_by_kind`), in seconds."""
+
+    step: float    # the rank's window: its first span's start to its last span's end
+    busy: float    # covered by any span (step - busy: between spans, the runtime's own Python)
+    kinds: dict    # {kind: seconds covered by that kind's spans}
+
+    def shares(self) -> dict[str, float]:
+        """{kind: its share of the step}."""
+        return {k: (t / self.step if self.step > 0 else 0.0) for k, t in self.kinds.items()}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        a = max(a, end)
+        if b > a:
+            total, end = total + b - a, b
+    return total
+
+
+def time_by_kind(spans_or_path, which: str | int = "last") -> dict[int, KindTimes]:
+    """Per rank, how one step's time (`which`: last by default, as `select_step`) splits by kind of
+    span: F, B, I, W, SEND, RECV, WAIT, and FSDP2's UNSHARD, RESHARD, REDUCE_GRAD (notebook 12:
+    what FSDP costs). A kind's time is the union of its spans, so nested or repeated calls count once
+    (torch 2.15's perform_reduce_grad is a REDUCE_GRAD around its own start and wait). Pure: takes
+    spans or a path `read_spans` reads."""
+    spans = spans_or_path if isinstance(spans_or_path, list) else read_spans(spans_or_path)[0]
+    spans = select_step(spans, which)
+    out = {}
+    for rank in sorted({s.rank for s in spans}):
+        mine = [s for s in spans if s.rank == rank]
+        kinds = {k: _union([(s.start, s.end) for s in mine if s.kind == k]) for k in sorted({s.kind for s in mine})}
+        out[rank] = KindTimes(max(s.end for s in mine) - min(s.start for s in mine),
+                              _union([(s.start, s.end) for s in mine]), kinds)
+    return out
