@@ -12,7 +12,8 @@ halves of a split backward differ in lightness, so they stay apart in greyscale 
 Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits, else
 `F1` (never a bare number: I and W would read alike);
 idle time is drawn hatched, with each rank's idle share at the right; the title says where the
-timeline comes from (torch's logs, a profiler trace, or simulated, with fitted or nominal costs).
+timeline comes from (spans, both ends of every action measured in the ranks; a profiler trace;
+torch's logs, with inferred starts; or simulated, with fitted or nominal costs).
 """
 
 from __future__ import annotations
