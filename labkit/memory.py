@@ -74,10 +74,15 @@ def saved_activation_bytes(module, *inputs) -> int:
     return sum(union_length(ranges) for ranges in seen.values())
 
 
-def torch_liveness(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1) -> dict[int, int]:
+def torch_liveness(schedule, pp_size: int, n_microbatches: int, stages_per_rank: int = 1) -> dict[int, int]:
     """Per rank, the activation slots torch 2.15's `analyze_pipeline_activation_liveness` says the
     schedule's plan needs: the most (stage, microbatch) activations a rank holds at once (granularity
     "stage_microbatch"). Compare with `orders.rank_peak_in_flight` of the kit's plan (notebook 04).
+
+    `schedule` is a schedule's name, or an explicit order `{rank: [(kind, stage, microbatch), ...]}`
+    (one stage per rank, e.g. a searched one, notebook 13): torch's action runtime loads it as the
+    compute-only CSV a run would (`_PipelineScheduleRuntime._load_csv`, private) and torch analyses
+    what it loaded.
 
     Raises `ScheduleError` on a torch without the analysis (before 2.15), and passes on torch's own
     `ValueError` when it cannot read the schedule's plan (2.15 reads Schedule1F1B's last rank as
@@ -94,10 +99,40 @@ def torch_liveness(schedule: str, pp_size: int, n_microbatches: int, stages_per_
                             "(labkit.versions.has('activation liveness')).")
     from .config import stage_placement, schedule_info
 
-    sched = mock_schedule(schedule, pp_size, n_microbatches, stages_per_rank)
-    placement = stage_placement(pp_size, stages_per_rank, schedule_info(schedule).v_shaped)
+    if isinstance(schedule, str):
+        sched = mock_schedule(schedule, pp_size, n_microbatches, stages_per_rank)
+        placement = stage_placement(pp_size, stages_per_rank, schedule_info(schedule).v_shaped)
+    else:
+        if stages_per_rank != 1:
+            raise ScheduleError(f"An explicit order is analysed with one stage per rank (stage r on rank r); "
+                                f"got stages_per_rank={stages_per_rank}: pass 1.")
+        sched = _runtime_with_order(schedule, pp_size, n_microbatches)
+        placement = [[r] for r in range(pp_size)]
     return {r: analyze(sched, pp_rank=r, stage_indices=placement[r], granularity="stage_microbatch").num_slots
             for r in range(pp_size)}
+
+
+def _runtime_with_order(order, pp_size: int, n_microbatches: int):
+    """torch's `_PipelineScheduleRuntime` for rank 0 (mock stage, no process group) with `order`
+    loaded through `_load_csv`, the route a real run takes (`labkit.stages.runtime_from_csv`)."""
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # private (torch 2.11-2.15)
+
+    from .orders import order_csv
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = 0, pp_size, pp_size, 0
+    stage.is_first, stage.is_last, stage.submod = True, pp_size == 1, None
+    sched = _PipelineScheduleRuntime([stage], n_microbatches)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "order.csv"
+        path.write_text(order_csv(order))
+        sched._load_csv(str(path), format="compute_only")
+    return sched
 
 
 class SavedTensorTracker:

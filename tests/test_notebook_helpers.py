@@ -62,6 +62,28 @@ def test_torch_liveness_agrees_with_the_kits_count_except_torchs_own_1f1b_plan()
             assert torch_liveness(name, p, m, spr) == rank_peak_in_flight(planned_actions(name, p, m, spr if info.multi else None)), name
 
 
+
+def test_torch_liveness_of_an_explicit_order_agrees_with_the_kits_count():
+    """A searched order (notebook 13), loaded by torch's runtime as its CSV, analysed by torch 2.15."""
+    import pytest
+
+    from labkit import versions
+    from labkit.memory import torch_liveness
+    from labkit.orders import ScheduleError, rank_peak_in_flight
+    from labkit.theory.paper import handcrafted
+    from labkit.theory.search import search
+
+    order = search(4, 8, "F=1,I=1,W=1", memory_limit=8).order
+    if not versions.has("activation liveness"):
+        with pytest.raises(ScheduleError, match="needs torch 2.15"):
+            torch_liveness(order, 4, 8)
+        return
+    assert torch_liveness(order, 4, 8) == rank_peak_in_flight(order) == {0: 8, 1: 8, 2: 8, 3: 7}
+    h2 = handcrafted("ZB-H2", 4, 8)
+    assert torch_liveness(h2, 4, 8) == rank_peak_in_flight(h2) == {r: 7 for r in range(4)}
+    with pytest.raises(ScheduleError, match="one stage per rank"):
+        torch_liveness(order, 4, 8, stages_per_rank=2)
+
 def test_saved_activation_bytes_counts_activations_not_weights():
     import torch
 
