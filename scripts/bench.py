@@ -471,6 +471,33 @@ def tutorial_vs_kit(sizes: str = "small", steps: int = 10, n: int = 3, device: s
     return {**_ratio(*_pairs(kit, tutorial, n)), "sizes": sizes, "steps": steps, "device": device}
 
 
+def paper_comparison(search_models=("1.5B", "6.2B"), search_max_m: int = 32) -> dict:
+    """The zero-bubble paper's bubble rates (arXiv:2401.10241v1 Table 5, from its Table 9 costs) beside the
+    kit's: 1F1B, ZB-H1, ZB-H2 simulated at all 12 settings; the kit's search (memory limits p and 2p, the
+    paper's ZB-1p / ZB-2p) where it is fast enough (p=8, m <= search_max_m). Computed, not timed."""
+    from labkit.theory import paper
+
+    chosen = [s for s in paper.SETTINGS if s.model in search_models and s.m <= search_max_m]
+    return {"citation": paper.CITATION, "rows": paper.comparison(search_settings=chosen)}
+
+
+def _paper_rows(pc: dict | None) -> list[str]:
+    if not pc:
+        return []
+    cols = ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
+    cell = lambda r, k: (f"{r['paper'][k]:.4f} / {r['kit'][k]:.4f}" if k in r["kit"] else f"{r['paper'][k]:.4f} / -")
+    lines = ["", f"Zero-bubble paper vs the kit: bubble rate = (longest stage - m(F+B+W)) / longest stage, paper / kit "
+             f"({pc['citation']}{'; computed ' + pc['date'] if pc.get('date') else ''}). The kit simulates torch's 1F1B and "
+             "the paper's handcrafted ZB-H1 / ZB-H2 orders with Table 9's costs; its ZB-1p / ZB-2p are `labkit.theory.search` "
+             "at memory limits p / 2p microbatches (not the paper's heuristic + ILP; '-': not searched, too slow at that size). "
+             "1F1B-I is not reproduced (per-chunk costs not in the paper).", "",
+             "| model | p | m | " + " | ".join(cols) + " | 1F1B-I (paper) |", "| --- | --- | --- |" + " --- |" * (len(cols) + 1)]
+    for r in pc["rows"]:
+        lines.append(f"| {r['model']} | {r['p']} | {r['m']} | " + " | ".join(cell(r, k) for k in cols)
+                     + f" | {r['paper']['1F1B-I']:.4f} |")
+    return lines
+
+
 def machine() -> dict:
     import torch
 
@@ -516,6 +543,8 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     say("kit's reference job vs the tutorial's program as written (CPU)")
     tk = tutorial_vs_kit(sizes="tiny" if quick else "small", steps=4 if quick else 10, n=1 if quick else 3)
     res["tutorial_vs_kit_ratio"], res["tutorial_vs_kit"] = tk["ratio"], tk
+    say("zero-bubble paper's bubble rates vs the kit's simulator and search")
+    res["paper_comparison"] = paper_comparison(search_max_m=0 if quick else 32)
     say("gpu")
     g = gpu() if not quick else None
     res["gpu"] = g if g is not None else {"available": False, "reason": "no CUDA device on this machine"}
@@ -618,6 +647,7 @@ def markdown(res: dict) -> str:
               "| schedule | pp_size | n_microbatches | measured | ideal (p-1)/(m+p-1) |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['measured_bubble']:.3f} | {r['ideal_bubble']:.3f} |" for r in f]
     lines += _instrument_rows(res.get("instrument_fidelity"))
+    lines += _paper_rows(res.get("paper_comparison"))
     return "\n".join(lines) + "\n"
 
 
@@ -627,7 +657,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-notebooks", action="store_true")
     ap.add_argument("--out", default=str(BENCH_DIR))
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
-                                                      "instruments"],
+                                                      "instruments", "paper"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -641,6 +671,8 @@ def main(argv=None) -> int:
         if "spans" in a.only:
             so = spans_within_jobs()
             res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], {**so, "date": stamp}
+        if "paper" in a.only:
+            res["paper_comparison"] = {**paper_comparison(), "date": stamp}
         if "notebooks" in a.only:
             res["notebook_suite_s"], res["notebook_suite_date"] = notebook_suite(), stamp
     else:

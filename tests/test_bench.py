@@ -137,3 +137,12 @@ def test_the_instruments_table_shows_each_reading_with_its_error_against_spans()
     text = "\n".join(bench._instrument_rows(rows))
     assert "| MLP 64-256-64 | 1F1B | 0.500 | 0.490 (-0.010) | 0.100 (-0.400) | 0.300 (-0.200) | 0.600 (+0.100) |" in text
     assert bench._instrument_rows(None) == []
+
+
+def test_the_paper_table_puts_the_papers_rate_beside_the_kits():
+    """The zero-bubble paper's Table 5 beside the kit's simulation; searched columns only where searched."""
+    out = bench.paper_comparison(search_max_m=0)  # no search: simulations only (seconds)
+    assert "2401.10241" in out["citation"] and len(out["rows"]) == 12
+    text = "\n".join(bench._paper_rows(out))
+    assert "| 1.5B | 8 | 24 | 0.2431 / 0.2431 | 0.1585 / 0.1585 | 0.1083 / 0.1083 | 0.1585 / - | 0.0433 / - | 0.1055 |" in text
+    assert bench._paper_rows(None) == []
