@@ -489,7 +489,8 @@ def _paper_rows(pc: dict | None) -> list[str]:
     lines = ["", f"Zero-bubble paper vs the kit: bubble rate = (longest stage - m(F+B+W)) / longest stage, paper / kit "
              f"({pc['citation']}{'; computed ' + pc['date'] if pc.get('date') else ''}). The kit simulates torch's 1F1B and "
              "the paper's handcrafted ZB-H1 / ZB-H2 orders with Table 9's costs; its ZB-1p / ZB-2p are `labkit.theory.search` "
-             "at memory limits p / 2p microbatches (not the paper's heuristic + ILP; '-': not searched, too slow at that size). "
+             "at memory limits p / 2p microbatches (not the paper's heuristic + ILP, but seeded like it with ZB-H1 / ZB-H2 and ranked "
+             "by the same longest stage, so never above them; '-': not searched, too slow at that size). "
              "1F1B-I is not reproduced (per-chunk costs not in the paper).", "",
              "| model | p | m | " + " | ".join(cols) + " | 1F1B-I (paper) |", "| --- | --- | --- |" + " --- |" * (len(cols) + 1)]
     for r in pc["rows"]:

@@ -73,12 +73,13 @@ def test_torch_liveness_of_an_explicit_order_agrees_with_the_kits_count():
     from labkit.theory.paper import handcrafted
     from labkit.theory.search import search
 
-    order = search(4, 8, "F=1,I=1,W=1", memory_limit=8).order
+    # K=6: an order of the search's own rule (at K=8 the search now returns its ZB-H2 seed, checked below)
+    order = search(4, 8, "F=1,I=1,W=1", memory_limit=6).order
     if not versions.has("activation liveness"):
         with pytest.raises(ScheduleError, match="needs torch 2.15"):
             torch_liveness(order, 4, 8)
         return
-    assert torch_liveness(order, 4, 8) == rank_peak_in_flight(order) == {0: 8, 1: 8, 2: 8, 3: 7}
+    assert torch_liveness(order, 4, 8) == rank_peak_in_flight(order) == {r: 6 for r in range(4)}
     h2 = handcrafted("ZB-H2", 4, 8)
     assert torch_liveness(h2, 4, 8) == rank_peak_in_flight(h2) == {r: 7 for r in range(4)}
     with pytest.raises(ScheduleError, match="one stage per rank"):

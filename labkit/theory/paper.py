@@ -19,11 +19,13 @@ communication: bubble sizes (p-1)(TF+TB+TW) for 1F1B, (p-1)(TF+TB-TW) for ZB-H1,
 for ZB-H2.
 
 The kit rebuilds 1F1B (torch's order), ZB-H1 and ZB-H2 (the handcrafted orders of the paper's
-Figure 3, `handcrafted`) and simulates them with Table 9's costs (`labkit.theory.simulate_order`,
-Tcomm as `Cost.p2p`): all 36 of Table 5's 1F1B / ZB-H1 / ZB-H2 rates come out equal to the 4
-printed decimals (tests/test_paper.py). ZB-1p and ZB-2p are the paper's SEARCHED schedules (its
-heuristic, then an ILP); the kit's `search` is compared with them where it is fast enough
-(`comparison(search_settings=...)`), and is not the paper's algorithm: see notebook 13 and bench.
+Figure 3, `labkit.theory.search.handcrafted`, re-exported here) and simulates them with Table 9's
+costs (`labkit.theory.simulate_order`, Tcomm as `Cost.p2p`): all 36 of Table 5's 1F1B / ZB-H1 /
+ZB-H2 rates come out equal to the 4 printed decimals (tests/test_paper.py). ZB-1p and ZB-2p are the
+paper's SEARCHED schedules (its heuristic, then an ILP); the kit's `search` is compared with them
+where it is fast enough (`comparison(search_settings=...)`). It is not the paper's algorithm (no
+ILP), but like it starts from the handcrafted orders (its seeds) and ranks by the same longest
+stage's span, so it is never worse than ZB-H1 at limit p nor ZB-H2 at 2p: see notebook 13 and bench.
 1F1B-I (interleaved, one transformer layer per chunk, layer counts per stage uneven) is printed
 but not reproduced: the per-chunk costs it needs are not in the paper. Taught in notebook 13.
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from ..orders import PlannedAction
 from .cost import Cost
-from .search import rank_spans, search
+from .search import handcrafted, rank_spans, search  # handcrafted re-exported: the paper's Figure 3 orders
 from .simulate import simulate, simulate_order
 
 CITATION = ("Qi, Wan, Huang, Lin: Zero Bubble Pipeline Parallelism, arXiv:2401.10241v1, "
@@ -97,34 +99,6 @@ def cost(setting: Setting, comm: bool = True) -> Cost:
     t = PROFILED[setting]
     return Cost(F=t["TF"], B=t["TB"] + t["TW"], I=t["TB"], W=t["TW"], p2p=t["Tcomm"] if comm else 0.0,
                 unit="Table 9 units")
-
-
-def handcrafted(kind: str, pp_size: int, n_microbatches: int) -> dict[int, list[PlannedAction]]:
-    """The paper's handcrafted ZB-H1 or ZB-H2 order (its Figure 3), one stage per rank.
-
-    Stage s warms up with `warm` forwards, then repeats: I of the next microbatch, the W of the one
-    `defer` microbatches behind it, the next F; the W still owed come last. ZB-H1 (1F1B's memory:
-    p microbatches held on every stage): warm p - s, defer s. ZB-H2 (2p - 1 held): warm 2(p - s) - 1,
-    defer 2s. Read off Figure 3 for p=4, m=8 and written for any p and m.
-    """
-    if kind not in ("ZB-H1", "ZB-H2"):
-        raise ValueError(f"handcrafted knows 'ZB-H1' and 'ZB-H2' (the paper's Figure 3), got {kind!r}.")
-    order = {}
-    for s in range(pp_size):
-        warm, defer = (pp_size - s, s) if kind == "ZB-H1" else (2 * (pp_size - s) - 1, 2 * s)
-        acts: list[PlannedAction] = [("F", s, j) for j in range(min(warm, n_microbatches))]
-        next_f, next_w = len(acts), 0
-        for j in range(n_microbatches):
-            acts.append(("I", s, j))
-            if j - defer >= 0:
-                acts.append(("W", s, next_w))
-                next_w += 1
-            if next_f < n_microbatches:
-                acts.append(("F", s, next_f))
-                next_f += 1
-        acts += [("W", s, k) for k in range(next_w, n_microbatches)]
-        order[s] = acts
-    return order
 
 
 def closed_form_bubble_size(kind: str, pp_size: int, c: Cost) -> float:

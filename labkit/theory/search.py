@@ -11,23 +11,34 @@ of preference,
 3. a deferred W (it fills time the rank would otherwise idle, and frees memory),
 
 and otherwise waits for the next arrival. Variants of the rule (how many W a rank may defer, F
-before I) are all tried and the order with the shortest simulated makespan is kept, checked and
-replayed by `labkit.theory.simulate_order` (the same simulator the ideal timelines use). Its
-result is compared with two lower bounds that hold for any order: no idle time at all,
-M(F+I+W), and one microbatch's whole forward and backward chain through the pipeline.
+before I, how many extra forwards in the warm-up) are all tried. Like the paper, which seeds its ILP
+with its heuristic, the search also starts from handcrafted orders (`handcrafted`): the paper's
+ZB-H1 and ZB-H2 (its Figure 3) and 1F1B with I and W back to back, each kept only if it is valid
+(`check_order`) and fits the limit (ZB-H1 and 1F1B hold p microbatches, ZB-H2 2p - 1). Every
+candidate is replayed by `labkit.theory.simulate_order` (the same simulator the ideal timelines use)
+and ranked by (period, makespan): the paper's own measure first, the longest rank's span (a step's
+time once steps overlap, what its bubble rate divides by), then the one-step makespan. Its result is
+compared with two lower bounds that hold for any order: no idle time at all, M(F+I+W), and one
+microbatch's whole forward and backward chain through the pipeline.
 
-What it guarantees, and what it does not: every dependency holds and no stage ever holds more than
-`memory_limit` microbatches (checked on the result); the makespan is not proven optimal (no ILP
-here): `SearchResult.gap` says how far it is from the lower bound. Tests hold it to zero-bubble's
-results at P=4, M=8, F=I=W=1: at K=P it meets ZB-H1's M(F+I+W)+(P-1)(F+I-W), at K=2P it is within
-5% of M(F+I+W). The order runs on torch's runtime as a CSV (`labkit.orders.order_csv`, torch's
-`_PipelineScheduleRuntime._load_csv` format), which adds the sends and receives itself.
+What it guarantees: every dependency holds and no stage ever holds more than `memory_limit`
+microbatches (checked on the result); its period is never longer than that of any seed that fits,
+so at any costs its bubble rate (the paper's) is at most ZB-H1's once K >= P and at most ZB-H2's
+once K >= 2P - 1 (tests/test_search.py checks this at the paper's settings). With F=I=W, no
+communication and M >= 2P - 1, ZB-H2's period is M(F+I+W) (the paper's Table 2: bubble
+(P-1)(F+I-2W) = 0), the least any order can have, so there the search's is too (P=4, M=8, unit
+costs, K=2P: period 24, and makespan 27, the lower bound; tested). What it does not: the order is
+not proven optimal (no ILP here), and the makespan, ranked second, may exceed a seed's when a
+shorter period is found (at P=4, M=8, unit costs, K=P it meets ZB-H1's M(F+I+W)+(P-1)(F+I-W) = 27,
+tested); `SearchResult.gap` says how far the makespan is from the lower bound. The order runs on
+torch's runtime as a CSV (`labkit.orders.order_csv`, torch's `_PipelineScheduleRuntime._load_csv`
+format), which adds the sends and receives itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import product
+from itertools import chain, product
 
 from ..config import ConfigError
 from ..orders import PlannedAction, check_order, order_csv, peak_in_flight
@@ -193,35 +204,85 @@ def _list_schedule(pp_size: int, m: int, cost: Cost, limit: int, max_deferred: i
     return order
 
 
+def handcrafted(kind: str, pp_size: int, n_microbatches: int) -> dict[int, list[PlannedAction]]:
+    """A handcrafted order, one stage per rank: the zero-bubble paper's ZB-H1 or ZB-H2 (its Figure 3,
+    arXiv 2401.10241), or "1F1B" (torch's 1F1B with each backward split into I and W back to back).
+
+    Stage s warms up with `warm` forwards, then repeats: I of the next microbatch, the W of the one
+    `defer` microbatches behind it, the next F; the W still owed come last. 1F1B: warm p - s, defer 0.
+    ZB-H1 (1F1B's memory: p microbatches held on stage 0): warm p - s, defer s. ZB-H2 (2p - 1 held):
+    warm 2(p - s) - 1, defer 2s. Read off Figure 3 for p=4, m=8 and written for any p and m. `search`
+    starts from these (its seeds), as the paper seeds its ILP with its heuristic. Taught in notebook 13.
+    """
+    if kind not in HANDCRAFTED:
+        raise ValueError(f"handcrafted knows {', '.join(map(repr, HANDCRAFTED))} (the paper's Figure 3, and 1F1B "
+                         f"with I and W back to back), got {kind!r}.")
+    order = {}
+    for s in range(pp_size):
+        warm, defer = {"1F1B": (pp_size - s, 0), "ZB-H1": (pp_size - s, s),
+                       "ZB-H2": (2 * (pp_size - s) - 1, 2 * s)}[kind]
+        acts: list[PlannedAction] = [("F", s, j) for j in range(min(warm, n_microbatches))]
+        next_f, next_w = len(acts), 0
+        for j in range(n_microbatches):
+            acts.append(("I", s, j))
+            if j - defer >= 0:
+                acts.append(("W", s, next_w))
+                next_w += 1
+            if next_f < n_microbatches:
+                acts.append(("F", s, next_f))
+                next_f += 1
+        acts += [("W", s, k) for k in range(next_w, n_microbatches)]
+        order[s] = acts
+    return order
+
+
+HANDCRAFTED = ("1F1B", "ZB-H1", "ZB-H2")
+"""The orders `handcrafted` writes, and `search`'s seeds."""
+
+SEED_RULES = {"1F1B": "seed: 1F1B, I and W back to back",
+              "ZB-H1": "seed: ZB-H1 (arXiv 2401.10241 Fig. 3)",
+              "ZB-H2": "seed: ZB-H2 (arXiv 2401.10241 Fig. 3)"}
+
+
 def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: int,
            stages_per_rank: int = 1) -> SearchResult:
-    """The best order the rule finds for `pp_size` stages (one per rank) and `n_microbatches`, holding
-    at most `memory_limit` microbatches' activations on any stage. Taught in notebook 08."""
+    """The best order found for `pp_size` stages (one per rank) and `n_microbatches`, holding at most
+    `memory_limit` microbatches' activations on any stage: the handcrafted seeds that fit and every
+    variant of the rule, ranked by (period, makespan). Taught in notebook 13."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
     _validate(pp_size, n_microbatches, memory_limit, stages_per_rank)
     best: SearchResult | None = None
+    best_key = None
     bound = lower_bound(pp_size, n_microbatches, cost)
     seen: set = set()
-    for extra, max_deferred, f_before_i in product(range(0, memory_limit + 1), range(0, n_microbatches + 1),
-                                                   (False, True)):
-        order = _list_schedule(pp_size, n_microbatches, cost, memory_limit, max_deferred, f_before_i, extra)
+    seeds = ((handcrafted(kind, pp_size, n_microbatches), SEED_RULES[kind]) for kind in HANDCRAFTED)
+    variants = ((_list_schedule(pp_size, n_microbatches, cost, memory_limit, max_deferred, f_before_i, extra),
+                 f"warm-up P-s+{extra} F; defer at most {max_deferred} W; {'F' if f_before_i else 'I'} first")
+                for extra, max_deferred, f_before_i in product(range(0, memory_limit + 1),
+                                                               range(0, n_microbatches + 1), (False, True)))
+    for order, rule in chain(seeds, variants):
         key_order = tuple(tuple(acts) for acts in order.values()) if order is not None else None
         if order is None or key_order in seen:
-            continue  # stuck, or an order another variant of the rule already gave
+            continue  # stuck, or an order a seed or another variant of the rule already gave
         seen.add(key_order)
-        assert not check_order(order, pp_size, n_microbatches)  # every action once, W after its I
+        if check_order(order, pp_size, n_microbatches):  # every action once, W after its I
+            assert rule.startswith("seed:"), rule  # the rule's own orders always pass
+            continue
+        peak = peak_in_flight(order)
+        if max(peak.values()) > memory_limit:
+            continue  # a seed that needs more memory than allowed (ZB-H1 and 1F1B hold p, ZB-H2 2p - 1)
         tl = simulate_order(order, pp_size, n_microbatches, cost,
                             meta={"schedule": f"searched (K={memory_limit})", "stages_per_rank": 1})
         metrics = tl.metrics()
-        peak = peak_in_flight(order)
-        if max(peak.values()) > memory_limit:
-            continue
         result = SearchResult(order, tl, metrics["makespan"], metrics["bubble_fraction"], peak, bound,
-                              max(rank_spans(tl).values()), memory_limit, f"warm-up P-s+{extra} F; defer at most {max_deferred} W; {'F' if f_before_i else 'I'} first")
-        key = (round(result.makespan, 9), round(result.period, 9))
-        if best is None or key < (round(best.makespan, 9), round(best.period, 9)):
-            best = result
+                              max(rank_spans(tl).values()), memory_limit, rule)
+        # The paper's measure first: the longest rank's span is a step's time once steps overlap, and
+        # its bubble rate; ties go to the shorter single step. Seeds come first, so a rule variant
+        # replaces a seed only when strictly better.
+        key = (round(result.period, 9), round(result.makespan, 9))
+        if best is None or key < best_key:
+            best, best_key = result, key
     if best is None:
         raise ConfigError(f"No order found for pp_size={pp_size}, n_microbatches={n_microbatches}, "
                           f"memory_limit={memory_limit}.")
