@@ -66,7 +66,12 @@ def lab(argv: list[str]) -> int:
               "(README, 'A lab on a remote node') instead of --ip", file=sys.stderr)
         return 2
     setup()
-    sh(vpython(VENV), "-m", "labkit", "doctor")
+    doctor = [str(vpython(VENV)), "-m", "labkit", "doctor"]
+    print("+ " + " ".join(doctor), flush=True)
+    if subprocess.run(doctor).returncode != 0:
+        raise SetupError("check the environment (labkit doctor)",
+                         "fix what doctor reported above (each problem names its fix), then run the same command again",
+                         doctor)
     (ROOT / "notebooks").mkdir(exist_ok=True)
     args = lab_command(VENV)
     if os.name == "posix" and os.geteuid() == 0:
@@ -208,6 +213,16 @@ def main(argv: list[str]) -> int:
         return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
     except SetupError as e:
         print(f"\ndev.py {cmd}: {e}", file=sys.stderr, flush=True)
+        return 3
+    except subprocess.CalledProcessError as e:  # a step run with sh() (apt-get, a helper): its output is above
+        print(f"\ndev.py {cmd}: " + str(SetupError(f"run {Path(str(e.cmd[0])).name}", "read its output above; "
+              "fix what it names (disk space, network, permissions)", list(e.cmd), f"exit code {e.returncode}")),
+              file=sys.stderr, flush=True)
+        return 3
+    except OSError as e:  # a file the set-up writes (settings, a temporary list): full disk, no permission
+        print(f"\ndev.py {cmd}: " + str(SetupError(f"write {e.filename or 'a file'}", "check the disk has room "
+              "(df -h) and the folder is writable", None, f"{type(e).__name__}: {e.strerror or e}")),
+              file=sys.stderr, flush=True)
         return 3
     except KeyboardInterrupt:
         print(f"\ndev.py {cmd}: interrupted", file=sys.stderr, flush=True)

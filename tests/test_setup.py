@@ -163,3 +163,39 @@ def test_the_lab_opens_without_the_news_prompt(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def _dev_module():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import dev
+    return dev
+
+
+def test_lab_stops_with_one_message_when_doctor_finds_a_problem(tmp_path, monkeypatch, capsys):
+    dev = _dev_module()
+    fake = tmp_path / "python"  # a venv python whose `labkit doctor` reports a problem (exit 1)
+    fake.write_text("#!/bin/sh\necho 'problem: torch cannot be imported. fix: run dev.py setup'\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(dev, "setup", lambda *a, **k: "2.15.0")
+    monkeypatch.setattr(dev, "vpython", lambda venv_dir: fake)
+    assert dev.main(["lab"]) == 3  # never reaches JupyterLab
+    err = capsys.readouterr().err
+    assert "set-up failed at step 'check the environment (labkit doctor)'" in err
+    assert f"command: {fake} -m labkit doctor" in err and "fix: fix what doctor reported above" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("error, step", [
+    (OSError(28, "No space left on device", "/v/share/jupyter/lab/settings/overrides.json"),
+     "write /v/share/jupyter/lab/settings/overrides.json"),
+    (subprocess.CalledProcessError(100, ["apt-get", "install", "-y", "chromium"]), "run apt-get"),
+])
+def test_any_other_set_up_failure_ends_in_one_message(monkeypatch, capsys, error, step):
+    dev = _dev_module()
+
+    def fail(*a, **k):
+        raise error
+    monkeypatch.setattr(dev, "setup", fail)
+    assert dev.main(["test", "--one-torch"]) == 3
+    err = capsys.readouterr().err
+    assert f"set-up failed at step '{step}'" in err and "fix: " in err and "Traceback" not in err
