@@ -126,6 +126,8 @@ CASES = [
     ("gpt2", "tracer", "GPipe", 1),                 # the tracer unties; the sum repairs it
     ("bert", "manual", "DualPipeV", 2),             # tied weight: first and last stage on rank 0
     ("bert", "tracer", "1F1B", 1),                  # padding mask; a tied bias held under its other name
+    ("llama", "manual", "LoopedBFS", 2),            # no kwargs chunk spec on this schedule (its own branch)
+    ("mistral", "manual", "InterleavedZeroBubble", 2),  # a third Llama-layout type; I and W split
 ]
 
 
@@ -144,6 +146,9 @@ def model_runs(tmp_path_factory):
     # --split-points auto on a heavy last stage (a 32k vocabulary): measured on the job's ranks, then run
     configs["auto"] = RunConfig(model_name="llama", preset="wide_vocab", schedule="1F1B", split_points=["auto"],
                                 n_microbatches=2)
+    # clipping over a pipeline whose tied weight lives on two ranks: the norm counts it once
+    configs["gpt2 clip"] = RunConfig(model_name="gpt2", schedule="Interleaved1F1B", stages_per_rank=2, preset="tiny",
+                                     n_microbatches=4, clip_grad_norm=0.05)
     yield run_suite(root, "models", configs, 2)
     assert not kit_processes(root)
 
@@ -157,6 +162,18 @@ def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, s
     assert res["compared_param_elements"] == res["model_param_elements"] > 0
     if model_type in ("gpt2", "bert"):
         assert "tied weights" in res["stage_builder"]
+
+
+def test_clipping_counts_a_tied_weight_once(model_runs):
+    """GPT-2's tied embedding / lm_head on stages 0 and 3 (ranks 0 and 1): after the tied gradients are
+    summed both copies hold the same gradient; the unsplit model has one parameter, and the pipeline's
+    norm (before clipping) must be its norm. Clipping acted (norm > 0.05), and the clipped gradients
+    match the unsplit model clipped by torch.nn.utils.clip_grad_norm_."""
+    res = model_runs["gpt2 clip"]
+    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
+    assert "tied weights" in res["stage_builder"]
+    (norm,) = res["grad_norm_before_clip"]
+    assert norm > 0.05
 
 
 # ---- balancing (labkit.models.balance) ----

@@ -351,6 +351,12 @@ class TiedWeights:
         """{name of a copy: the unsplit model's (canonical) name}, for the reference check."""
         return {n: canon for g, canon in zip(self.groups, self.canonical) for _, n in g if n != canon}
 
+    @property
+    def extra_copies(self) -> frozenset:
+        """(stage, name) of every copy but the first of each tied parameter: what a norm over the
+        pipeline's gradients must skip to count the unsplit model's one parameter once."""
+        return frozenset(c for g in self.groups for c in g[1:])
+
     def sync(self, stages) -> None:
         """Sum each tied parameter's gradient over its copies (all-reduce in the holders' group),
         so every copy holds the gradient of the one tied parameter. Call after the step, before the

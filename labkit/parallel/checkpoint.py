@@ -65,11 +65,18 @@ def _squared_norm(g) -> float:
     return float(g.float().pow(2).sum())
 
 
-def clip_grad_norm(stages: list, max_norm: float, pp_group=None, device="cpu") -> float:
+def clip_grad_norm(stages: list, max_norm: float, pp_group=None, device="cpu", copies=frozenset()) -> float:
     """Clip every gradient of the pipeline by the global norm (over all stages and shards); returns
-    the norm before clipping. Collective over the job: every rank calls it."""
+    the norm before clipping. Collective over the job: every rank calls it.
+
+    copies: (stage index, parameter name) of the extra copies of a tied weight (GPT-2's lm_head and
+    token embedding on two stages, `TiedWeights.extra_copies`): after the tied gradients are summed
+    every copy holds the same gradient, and the unsplit model has ONE parameter, so only the first
+    copy counts in the norm; every copy is scaled."""
     params = [p for st in stages for p in st.submod.parameters() if p.grad is not None]
-    local = sum(_squared_norm(p.grad) for p in params)
+    counted = [p for st in stages for n, p in st.submod.named_parameters()
+               if p.grad is not None and (st.stage_index, n) not in copies]
+    local = sum(_squared_norm(p.grad) for p in counted)
     t = torch.tensor([local], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=pp_group)  # the stages of this pipeline
     total = math.sqrt(float(t[0]))
