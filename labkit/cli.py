@@ -245,8 +245,9 @@ def cmd_search(a) -> int:
     r = search(a.pp_size, a.microbatches, cost, a.memory_limit, a.stages_per_rank)
     if a.csv:
         Path(a.csv).write_text(r.csv())
-        print(f"wrote {a.csv} (torch's compute-only CSV: run it with `labkit launch --nproc {a.pp_size} "
-              f"notebooks/scripts/custom_schedule.py --order {a.csv}`)", file=sys.stderr)
+        print(f"wrote {a.csv} (torch's compute-only CSV: run it on torch's runtime, checked against the unsplit "
+              f"model, with `labkit run --nproc {a.pp_size} --microbatches {a.microbatches} --schedule-csv {a.csv}`)",
+              file=sys.stderr)
     data = r.to_json()
     data["zb_h1_makespan"] = zb_h1_makespan(a.pp_size, a.microbatches, cost)
     if a.json:

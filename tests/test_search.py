@@ -112,6 +112,7 @@ def test_cli_search_writes_torchs_csv_and_json(tmp_path):
     assert {"makespan", "bubble", "peak", "lower_bound", "period"} <= set(data) and data["makespan"] <= 27
     rows = out.read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("0F0,")
+    assert f"labkit run --nproc 4 --microbatches 8 --schedule-csv {out}" in p.stderr  # how to run what it wrote
     bad = subprocess.run(labkit_cli("search", "--pp-size", "4", "--microbatches", "8", "--memory-limit", "4"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--cost" in bad.stderr
@@ -150,3 +151,30 @@ def test_a_searched_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(t
     assert measured.source == "spans" and ideal.meta["schedule"] == "order from --schedule-csv"
     assert measured.counts() == ideal.counts() == {(s, k): 8 for s in range(4) for k in ("F", "I", "W")}
     assert "I" in "".join(result["order"]["0"]) and "W" in "".join(result["order"]["0"])
+
+
+def test_cli_search_fits_costs_from_a_measured_run_and_adds_the_sends(tmp_path):
+    """--cost-from RUN: F, I, W fitted from a real InterleavedZeroBubble run's timeline (torch 2.15's
+    logs, 4 ranks, 8 microbatches), as the ideal timelines are; --comm adds a send's time to each hop.
+    The CLI's answer is the search at exactly those costs, and a slower link lengthens the makespan."""
+    from labkit.compare import load_timeline
+    from labkit.theory import fit_cost
+
+    run = REPO / "tests" / "fixtures" / "pplogs" / "2.15.0" / "InterleavedZeroBubble-p4-m8"
+
+    def cli(*extra):
+        p = subprocess.run(labkit_cli("search", "--pp-size", "4", "--microbatches", "8", "--memory-limit", "4",
+                                      "--cost-from", str(run), "--json", *extra),
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout), p.stderr
+
+    plain, said = cli()
+    fitted = fit_cost(load_timeline(run))
+    assert f"costs fitted from {run}: F={fitted.F:.4g} I={fitted.input_grad:.4g} W={fitted.weight_grad:.4g}" in said
+    assert plain["makespan"] == pytest.approx(search(4, 8, fitted, memory_limit=4).makespan)
+    comm = 0.5 * fitted.F
+    linked, _ = cli("--comm", str(comm))
+    with_sends = fit_cost(load_timeline(run), p2p=comm)
+    assert linked["makespan"] == pytest.approx(search(4, 8, with_sends, memory_limit=4).makespan)
+    assert linked["makespan"] > plain["makespan"]
