@@ -1,7 +1,8 @@
 """Pipelining composed with data and tensor parallelism (labkit.parallel): each run equals ONE step
 of the unsplit model on the whole GLOBAL batch, every loss and every gradient (gathered from shards).
 Every schedule family is composed: one stage per rank (1F1B; GPipe through the command line), 2 per
-rank (LoopedBFS under FSDP2), a split backward (InterleavedZeroBubble, ZBVZeroBubble) and DualPipeV.
+rank (LoopedBFS under FSDP2), a split backward (InterleavedZeroBubble, ZBVZeroBubble) and DualPipeV; all three
+dimensions at once, (pp, dp, tp) = (2, 2, 2) on 8 ranks, through the command line.
 
 Stated tolerance: 1e-4 with data parallelism (replicated or FSDP2); 1e-3 with tensor parallelism,
 whose cut matmuls add in another order in float32 (the same model in float64 agrees to 1e-12: the
@@ -139,12 +140,26 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     assert res["reference_match"] is True and res["clip_grad_norm"] == cfg.clip_grad_norm, res.get("failure")
 
 
-def test_the_command_line_names_the_mesh(runs):
-    r = subprocess.run(labkit_cli("run", "--schedule", "GPipe", "--nproc", "2", "--dp-size", "2", "--preset", "tiny",
-                                  "--microbatches", "2", "--batch-size", "8", "--device", "cpu", "--quiet",
-                                  "--out", str(runs / "cli")), capture_output=True, text=True, timeout=300)
+def test_the_command_line_runs_all_three_dimensions(runs):
+    """`labkit run` on a (pp, dp, tp) = (2, 2, 2) mesh, 8 ranks: TP inside each stage, FSDP2 over the
+    replicas (a 2-D (dp, tp) sharding of every stage), GPipe, clipped; one step of the unsplit model on
+    the global batch, every gradient gathered from its shards."""
+    out = runs / "cli3d"
+    r = subprocess.run(labkit_cli("run", "--schedule", "GPipe", "--nproc", "2", "--dp-size", "2", "--tp-size", "2",
+                                  "--fsdp", "--clip-grad-norm", "0.05", "--preset", "tiny", "--microbatches", "2",
+                                  "--batch-size", "8", "--device", "cpu", "--quiet", "--out", str(out)),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "on 4 ranks (pp 2 x dp 2 x tp 1), reference_match=True" in r.stdout
+    assert "on 8 ranks (pp 2 x dp 2 x tp 2), reference_match=True" in r.stdout
+    res = json.loads((out / "result.json").read_text())
+    assert (res["dp_size"], res["tp_size"], res["fsdp"], res["world_size"]) == (2, 2, True, 8)
+    assert res["checked_microbatches"] == 4 and res["compared_param_elements"] == res["model_param_elements"]
+    assert res["grad_norm_before_clip"][0] > 0.05  # the clipping acted, and the clipped gradients matched
+    # memory, measured: FSDP2 shards the TP-cut stages over the 2 replicas, so the 8 ranks together hold
+    # what TP alone holds (every parameter once, the replicated attention once per TP rank), not twice that
+    mem, whole = res["memory_per_rank"], 4 * res["model_param_elements"]  # float32
+    held = sum(m["parameters"] for m in mem)
+    assert len(mem) == 8 and whole < held < 2 * whole, (held, whole)
 
 
 @pytest.mark.parametrize("kw, message", [
