@@ -103,6 +103,8 @@ def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
     mem, whole = res["memory_per_rank"], 4 * res["model_param_elements"]  # float32
     held = sum(m["parameters"] for m in mem)
     assert len(mem) == world and all(m["gradients"] == m["parameters"] and m["activations"] > 0 for m in mem)
+    # SGD's momentum buffer: one per parameter, sharded (FSDP2) or replicated with it
+    assert all(m["optimizer_state"] == m["parameters"] for m in mem), mem
     copies = 1 if res["fsdp"] else res["dp_size"]
     if res["tp_size"] == 1 and "tied weights" not in res["stage_builder"]:
         assert abs(held - copies * whole) <= 4 * 1024, (held, whole)  # FSDP pads shards to equal sizes

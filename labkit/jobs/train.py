@@ -82,7 +82,10 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     of parameters, gradients, optimizer state and activations in the first step (first["memory"])."""
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     params = [p for s in stages for p in s.submod.parameters()]
-    opt = torch.optim.SGD(params, lr=0.01) if not cfg.inference and params else None
+    # Composed runs (memory measured) keep a momentum buffer per parameter, an optimizer state for FSDP2 to
+    # shard like the gradients; its first update equals plain SGD's, the step the reference check reads.
+    momentum = 0.9 if memory else 0.0
+    opt = torch.optim.SGD(params, lr=0.01, momentum=momentum) if not cfg.inference and params else None
     first = {"losses": [], "grads": None, "output": None}
     step_times, step_losses = [], []
     worker.reset_peak_memory(d.device)
