@@ -64,4 +64,5 @@ def run_suite(root: Path, name: str, cfgs: dict, nproc: int) -> dict:
         f = Path(it["out"]) / "result.json"
         out[key] = json.loads(f.read_text()) if f.exists() else None
     out["__job__"] = job
+    out["__dirs__"] = {key: Path(it["out"]) for key, it in zip(cfgs, items)}  # each run's directory
     return out

@@ -61,6 +61,23 @@ def test_schedule_matches_unsplit_model(schedule, split, two_ranks):
     _check(two_ranks[("train", schedule, split)], TRAIN[(schedule, split)])
 
 
+@pytest.mark.parametrize("split", ["manual", "tracer"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_spans_time_every_planned_action_at_both_ends(schedule, split, two_ranks):
+    """Spans (labkit.spans), on this torch: the run's own spans hold exactly the actions torch planned,
+    in the planned order on each rank (F, B or F, I, W; both halves of DualPipeV's overlapped pairs),
+    each with a measured start and end."""
+    from labkit.orders import rank_orders
+    from labkit.spans.read import timeline_from_spans
+    from labkit.theory import planned_actions
+
+    cfg = TRAIN[(schedule, split)]
+    tl = timeline_from_spans(two_ranks["__dirs__"][("train", schedule, split)], "last")
+    assert tl.source == "spans"
+    assert rank_orders(tl) == planned_actions(schedule, cfg.pp_size, cfg.n_microbatches, cfg.stages_per_rank)
+    assert all(a.end >= a.start > 0 for a in tl.compute())
+
+
 @pytest.mark.parametrize("schedule", MULTI)
 def test_multi_stage_on_one_rank(schedule, one_rank):
     _check(one_rank[schedule], ONE_RANK[schedule])

@@ -185,6 +185,9 @@ def run_suite(a: argparse.Namespace) -> int:
         print(f"[labkit] configuration error: {e}", file=sys.stderr)
         return 2
     d = worker.init_distributed(cfgs[0].device, max(c.pg_timeout for c in cfgs))
+    # the spans recorder is installed when torch's pipelining is first imported (labkit/spans/boot):
+    # import it now, so that the FIRST config's spans go to its own directory too, not the job's
+    import torch.distributed.pipelining  # noqa: F401
     worst = 0
     for cfg, it in zip(cfgs, items):
         out = Path(it["out"])
