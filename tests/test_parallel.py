@@ -142,15 +142,31 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     assert res["reference_match"] is True and res["clip_grad_norm"] == cfg.clip_grad_norm, res.get("failure")
 
 
-def test_the_command_line_runs_all_three_dimensions(runs):
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
     """`labkit run` on a (pp, dp, tp) = (2, 2, 2) mesh, 8 ranks: TP inside each stage, FSDP2 over the
-    replicas (a 2-D (dp, tp) sharding of every stage), GPipe, clipped; one step of the unsplit model on
-    the global batch, every gradient gathered from its shards."""
-    out = runs / "cli3d"
+    replicas (a 2-D (dp, tp) sharding of every stage), GPipe, clipped, 2 updates, then a checkpoint
+    (torch.distributed.checkpoint) of the trained weights, sharded by stage, replica and TP rank."""
+    from conftest import kit_processes
+
+    root = tmp_path_factory.mktemp("cli3d")
+    out, ckpt = root / "run", root / "ckpt"
     r = subprocess.run(labkit_cli("run", "--schedule", "GPipe", "--nproc", "2", "--dp-size", "2", "--tp-size", "2",
                                   "--fsdp", "--clip-grad-norm", "0.05", "--preset", "tiny", "--microbatches", "2",
-                                  "--batch-size", "8", "--device", "cpu", "--quiet", "--out", str(out)),
+                                  "--batch-size", "8", "--steps", "2", "--device", "cpu", "--checkpoint", str(ckpt),
+                                  "--quiet", "--out", str(out)),
                        capture_output=True, text=True, timeout=300)
+    import time
+    deadline = time.time() + 10  # as the `runs` fixture: a rank just gone may still be reaped
+    while kit_processes(root) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not kit_processes(root), "the 8-rank run left processes running"
+    return r, out, ckpt
+
+
+def test_the_command_line_runs_all_three_dimensions(three_d):
+    """One step of the unsplit model on the global batch, every gradient gathered from its shards."""
+    r, out, _ = three_d
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "on 8 ranks (pp 2 x dp 2 x tp 2), reference_match=True" in r.stdout
     res = json.loads((out / "result.json").read_text())
@@ -199,18 +215,14 @@ def test_accumulation_with_torchs_default_scale_grads_is_wrong_and_the_fix_is_ri
     assert "pitfall" in wrong.result["scale_grads"]
 
 
-def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches(runs, tmp_path):
-    """Saved by 4 ranks (pp 2 x dp 2, FSDP2) after 2 updates; every parameter in it once; resumed by 2
-    ranks running Interleaved1F1B (4 stages) with clipping: that step equals the unsplit model loaded
-    from the same checkpoint and clipped the same way."""
+def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches(runs, three_d):
+    """Saved by 8 ranks (pp 2 x dp 2 x tp 2, FSDP2 over TP) after 2 updates; every parameter in it once;
+    resumed by 2 ranks running Interleaved1F1B (4 stages, no FSDP, no TP) with clipping: that step
+    equals the unsplit model loaded from the same checkpoint and clipped the same way."""
     from labkit.model import build_model
     from labkit.parallel.checkpoint import saved_names
 
-    ckpt = tmp_path / "ckpt"
-    save = subprocess.run(labkit_cli("run", "--schedule", "1F1B", "--nproc", "2", "--dp-size", "2", "--fsdp",
-                                     "--preset", "tiny", "--microbatches", "2", "--batch-size", "8", "--steps", "2",
-                                     "--device", "cpu", "--checkpoint", str(ckpt), "--quiet", "--out", str(runs / "save")),
-                          capture_output=True, text=True, timeout=300)
+    save, _, ckpt = three_d
     assert save.returncode == 0, save.stdout[-3000:] + save.stderr[-3000:]
     cfg = RunConfig(schedule="1F1B", preset="tiny")
     assert saved_names(ckpt) == sorted(build_model(cfg).state_dict())  # every parameter, once
