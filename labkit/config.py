@@ -223,8 +223,7 @@ class RunConfig:
                 f"first stage computes the attention mask once and every later stage reads it, a skip "
                 f"connection past the middle stages, whose backward torch refuses ('Backward of skip connections "
                 f"not supported yet', torch 2.13). Use --split manual (every stage builds its own mask from the "
-                f"attention_mask kwarg), or the tracer with 2 stages: --nproc 2 with GPipe or 1F1B, or --nproc 1 "
-                f"--stages-per-rank 2 with any multi-stage schedule (both stages on one rank).")
+                f"attention_mask kwarg), or the tracer with 2 stages (--nproc 2 with GPipe or 1F1B).")
         if self.split_points is not None:
             self.split_points = list(self.split_points)
             if not self.auto_split:

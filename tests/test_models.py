@@ -153,31 +153,6 @@ def model_runs(tmp_path_factory):
     assert not kit_processes(root)
 
 
-# The tracer cuts GPT-2 and BERT into 2 stages at most (the traced mask is a skip connection past middle
-# stages): the multi-stage schedules run them with both stages on ONE rank.
-ONE_RANK_TRACED = [("gpt2", "ZBVZeroBubble"), ("bert", "InterleavedZeroBubble")]
-
-
-@pytest.fixture(scope="module")
-def traced_one_rank(tmp_path_factory):
-    from conftest import kit_processes, run_suite
-
-    root = tmp_path_factory.mktemp("traced1")
-    configs = {c: RunConfig(model_name=c[0], split="tracer", schedule=c[1], pp_size=1, stages_per_rank=2,
-                            preset="tiny", n_microbatches=4) for c in ONE_RANK_TRACED}
-    yield run_suite(root, "traced1", configs, 1)
-    assert not kit_processes(root)
-
-
-@pytest.mark.parametrize("model_type,schedule", ONE_RANK_TRACED)
-def test_a_traced_model_runs_a_multi_stage_schedule_on_one_rank(model_type, schedule, traced_one_rank):
-    res = traced_one_rank[(model_type, schedule)]
-    assert res is not None and res["reference_match"] is True, (traced_one_rank["__job__"].error,
-                                                                res and res.get("failure"))
-    assert (res["split"], res["n_stages"], res["schedule"]) == ("tracer", 2, schedule)
-    assert res["compared_param_elements"] == res["model_param_elements"] > 0
-
-
 @pytest.mark.parametrize("model_type,split,schedule,spr", CASES)
 def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, spr, model_runs):
     res = model_runs[(model_type, split, schedule, spr)]
