@@ -74,7 +74,7 @@ class Timeline:
         start = min(a.start for a in comp)
         makespan = max(a.end for a in comp) - start
         ranks = sorted({a.rank for a in comp})
-        busy = {r: _union_length([(a.start, a.end) for a in comp if a.rank == r]) for r in ranks}
+        busy = {r: union_length([(a.start, a.end) for a in comp if a.rank == r]) for r in ranks}
         idle = {r: makespan - busy[r] for r in ranks}
         total_busy, total_idle = sum(busy.values()), sum(idle.values())
         durations: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -101,7 +101,7 @@ class Timeline:
                 "metrics": t.metrics(), "source": self.source, "meta": self.meta}
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals (overlaps counted once: a rank is busy or not)."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):

@@ -196,6 +196,18 @@ def bench(argv: list[str]) -> int:
 COMMANDS = ("lab", "test", "setup", "handouts", "bench", "lock")
 
 
+def as_setup_error(e: Exception) -> SetupError:
+    """Any failure of a set-up step as the one message users see: a step run with sh() (apt-get, a
+    helper; its output is above) or a file the set-up writes (full disk, no permission)."""
+    if isinstance(e, subprocess.CalledProcessError):
+        return SetupError(f"run {Path(str(e.cmd[0])).name}", "read its output above; fix what it names (disk space, "
+                          "network, permissions)", list(e.cmd), f"exit code {e.returncode}")
+    if isinstance(e, OSError):
+        return SetupError(f"write {e.filename or 'a file'}", "check the disk has room (df -h) and the folder is "
+                          "writable", None, f"{type(e).__name__}: {e.strerror or e}")
+    return e
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__)
@@ -211,18 +223,8 @@ def main(argv: list[str]) -> int:
         if cmd == "lock":
             return envsetup.lock(ROOT / ".venv-tools", upgrade="--upgrade" in rest)
         return {"lab": lab, "test": test, "handouts": handouts, "bench": bench}[cmd](rest)
-    except SetupError as e:
-        print(f"\ndev.py {cmd}: {e}", file=sys.stderr, flush=True)
-        return 3
-    except subprocess.CalledProcessError as e:  # a step run with sh() (apt-get, a helper): its output is above
-        print(f"\ndev.py {cmd}: " + str(SetupError(f"run {Path(str(e.cmd[0])).name}", "read its output above; "
-              "fix what it names (disk space, network, permissions)", list(e.cmd), f"exit code {e.returncode}")),
-              file=sys.stderr, flush=True)
-        return 3
-    except OSError as e:  # a file the set-up writes (settings, a temporary list): full disk, no permission
-        print(f"\ndev.py {cmd}: " + str(SetupError(f"write {e.filename or 'a file'}", "check the disk has room "
-              "(df -h) and the folder is writable", None, f"{type(e).__name__}: {e.strerror or e}")),
-              file=sys.stderr, flush=True)
+    except (SetupError, subprocess.CalledProcessError, OSError) as e:
+        print(f"\ndev.py {cmd}: {as_setup_error(e)}", file=sys.stderr, flush=True)
         return 3
     except KeyboardInterrupt:
         print(f"\ndev.py {cmd}: interrupted", file=sys.stderr, flush=True)

@@ -238,11 +238,9 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
         from ..parallel.checkpoint import clip_grad_norm
 
         norms: list[float] = []  # the global norm before clipping, per update
-        tied = getattr(model, "tied", None)  # a tied weight's second copy is not a second parameter
-        tied_copies = tied.extra_copies if tied is not None else frozenset()
 
         def clip(stages_, _pg=(par.pp_group if par is not None else None)):
-            norms.append(clip_grad_norm(stages_, cfg.clip_grad_norm, _pg, d.device, tied_copies))
+            norms.append(clip_grad_norm(stages_, cfg.clip_grad_norm, _pg, d.device, model.tied_copies))
     loss_fn = None if cfg.inference else model.loss_fn
     G = cfg.accumulate
     # --accumulate G: torch's scale_grads divides ALL gradients held at the end of each step, those

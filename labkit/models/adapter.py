@@ -18,6 +18,7 @@ class TutorialAdapter:
     """The tutorial Transformer (labkit.model, labkit.stages): no kwargs, no tied weights."""
 
     tied_aliases: dict = {}
+    tied_copies: frozenset = frozenset()
     renamed: dict = {}
 
     def __init__(self, cfg: RunConfig):
@@ -69,6 +70,11 @@ class HFAdapter:
     @property
     def tied_aliases(self) -> dict:
         return self.tied.aliases
+
+    @property
+    def tied_copies(self) -> frozenset:
+        """Every copy but the first of each tied parameter, (stage, name): skipped by a gradient norm."""
+        return self.tied.extra_copies
 
     @property
     def renamed(self) -> dict:

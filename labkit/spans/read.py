@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-from ..timeline import COMPUTE_KINDS, Action, Timeline
+from ..timeline import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
 __all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind"]
@@ -122,15 +122,6 @@ class KindTimes(NamedTuple):
         return {k: (t / self.step if self.step > 0 else 0.0) for k, t in self.kinds.items()}
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        a = max(a, end)
-        if b > a:
-            total, end = total + b - a, b
-    return total
-
-
 def time_by_kind(spans_or_path, which: str | int = "last") -> dict[int, KindTimes]:
     """Per rank, how one step's time (`which`: last by default, as `select_step`) splits by kind of
     span: F, B, I, W, SEND, RECV, WAIT, and FSDP2's UNSHARD, RESHARD, REDUCE_GRAD (notebook 12:
@@ -142,7 +133,7 @@ def time_by_kind(spans_or_path, which: str | int = "last") -> dict[int, KindTime
     out = {}
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
-        kinds = {k: _union([(s.start, s.end) for s in mine if s.kind == k]) for k in sorted({s.kind for s in mine})}
+        kinds = {k: union_length([(s.start, s.end) for s in mine if s.kind == k]) for k in sorted({s.kind for s in mine})}
         out[rank] = KindTimes(max(s.end for s in mine) - min(s.start for s in mine),
-                              _union([(s.start, s.end) for s in mine]), kinds)
+                              union_length([(s.start, s.end) for s in mine]), kinds)
     return out
