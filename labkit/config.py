@@ -217,13 +217,6 @@ class RunConfig:
                 f"{self.batch_size} (e.g. {_divisors(self.batch_size)}), or change --batch-size."
             )
         validate_model(self.model_name, self.layout)
-        if self.model_name != "tutorial" and self.split == "tracer" and self.n_stages > 2:
-            raise ConfigError(
-                f"--split tracer cuts a transformers model into at most 2 stages, got {self.n_stages}: the traced "
-                f"first stage computes the attention mask once and every later stage reads it, a skip "
-                f"connection past the middle stages, whose backward torch refuses ('Backward of skip connections "
-                f"not supported yet', torch 2.13). Use --split manual (every stage builds its own mask from the "
-                f"attention_mask kwarg), or the tracer with 2 stages (--nproc 2 with GPipe or 1F1B).")
         if self.split_points is not None:
             self.split_points = list(self.split_points)
             if not self.auto_split:

@@ -219,14 +219,9 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     if cfg.composed:  # a (pp, dp, tp) mesh: this rank's stage index is its pp coordinate (labkit.parallel)
         from ..parallel import compose
         par = compose.build_mesh(cfg, d.device)
-    try:
-        stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
-                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
-                                                    **({"par": par} if cfg.model_name != "tutorial" else {})))
-    except NotImplementedError as e:  # a split this model cannot take (labkit.models.hf.TRACER_ROPE)
-        if d.rank == 0:
-            print(f"[labkit] configuration error: {e}", file=sys.stderr, flush=True)
-        return 2
+    stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
+                             model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
+                                                **({"par": par} if cfg.model_name != "tutorial" else {})))
     if par is not None:
         compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
     if cfg.resume:  # into this shape's stages (resharded on load), and the reference from the same files

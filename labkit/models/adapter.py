@@ -156,7 +156,8 @@ class HFAdapter:
         stage, and on EVERY stage the masks and position ids as kwargs (each rank passes them, the
         schedule cuts them per microbatch with the chunk specs). Tracer: only the first stage takes
         inputs, all of them positionally in the split graph's order (hf.first_stage_inputs); what
-        later stages need (the 4-D mask, rotary cos/sin) travels down the pipeline as activations."""
+        later stages need (the 4-D mask, rotary cos/sin) travels down the pipeline as activations, stage by
+        stage (labkit.models.skips)."""
         first = any(s.is_first for s in stages)
         if self.cfg.split == "manual":
             return ((x,) if first else ()), dict(kwargs)

@@ -26,9 +26,23 @@ memory), keeps only the modules its stage owns under their original dotted names
 them (`to_empty`) and fills them from the weights (here the seeded unsplit model; on a real node,
 a checkpoint), as torchtitan does. The stage's forward calls transformers' own blocks.
 
-Tracer split (`trace_pipe`): `pipeline()` on the whole model with the same settings. What it needs
-beyond them is nothing: the masks and rotary embeddings are computed on the first stage and sent
-down the pipeline as activations, so only the first stage takes the kwargs.
+Tracer split (`trace_pipe`): `pipeline()` on the whole model with the same settings, plus two:
+
+- traced under `torch.no_grad()`. The rotary module's forward (Llama and its family) is decorated
+  `@torch.no_grad()`; export records that grad-mode switch as a region of its own (a
+  `wrap_with_set_grad_enabled` higher-order op), and the unflattener, rebuilding modules from the
+  graph, cuts `rotary_emb`'s call in two around it and gives one part no inputs: on torch 2.13 to
+  2.15 the first stage fails at its first call ('Expected positional argument for parameter
+  position_ids'), on 2.11 `pipeline()` itself fails ('unexpected placeholder node');
+  pytorch/pytorch#184361. Under `no_grad` the switch changes nothing, export records no region, and
+  the rotary module stays whole. Training is unaffected: export records the operations, not the grad
+  mode; the stages run them with autograd on, and the region held no parameter (the reference
+  check compares every gradient). A model whose `no_grad` region does hold a parameter's use would
+  differ, and its check would say so.
+- `labkit.models.skips.carry_skips`: the masks and rotary embeddings are computed once, on the first
+  stage, and read by every block; the carry turns those skip connections into a chain (each stage
+  passes them on), which torch's backward and its multi-stage schedules need. Only the first stage
+  takes the kwargs; any number of stages, every schedule.
 
 Tied weights (GPT-2's `lm_head.weight` is `transformer.wte.weight`; BERT's decoder): cut into
 stages on two ranks, the one parameter becomes two copies, each getting only its own stage's part
@@ -47,6 +61,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+from .skips import carry_skips
 
 INSTALL_HINT = ("pip install 'labkit[models]'  (or: pip install 'transformers>=5.23'); from a clone: "
                 ".venv/bin/pip install -e '.[models]'")
@@ -270,28 +286,20 @@ def manual_stage(model_type: str, preset, full: nn.Module, stage: int, bounds: l
 
 
 def trace_pipe(full: nn.Module, bounds: list[int], example_ids, example_kwargs: dict):
-    """`pipeline()` on a copy of the whole model, split at the first block of every stage but the first.
-    The model's config (use_cache=False, eager attention) is what lets torch.export capture it."""
+    """`pipeline()` on a copy of the whole model, split at the first block of every stage but the first,
+    with the two settings of the module docstring ("Tracer split"): traced under `torch.no_grad()`, and
+    the skip connections carried stage to stage (labkit.models.skips). The model's config (use_cache=False,
+    eager attention) is what lets torch.export capture it at all."""
     import copy
 
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     fam = family(full)
-    if fam == "causal":
-        raise NotImplementedError(TRACER_ROPE)
     split_spec = {f"{BLOCKS[fam]}.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
-    return pipeline(copy.deepcopy(full), mb_args=(example_ids,), mb_kwargs=example_kwargs, split_spec=split_spec)
-
-
-TRACER_ROPE = (
-    "The tracer cannot split a Llama-layout model (rotary position embeddings) on torch 2.11 to 2.15: on "
-    "2.13 to 2.15 pipeline() builds the Pipe, but its first stage fails at the first step with 'Expected "
-    "positional argument for parameter unsqueeze_default' (or position_ids); on 2.11 pipeline() itself "
-    "fails ('unexpected placeholder node'); pytorch/pytorch#184361 (open): the "
-    "rotary module's ops land in two separate groups of the exported graph and the unflattener gives only "
-    "one of them its inputs. Calling rotary_emb through its forward (no module call) breaks pipeline() "
-    "itself ('no attribute submod_1'; tried on torch 2.13). Use --split manual, which cuts the same model "
-    "by hand and matches the unsplit model.")
+    with torch.no_grad():
+        pipe = pipeline(copy.deepcopy(full), mb_args=(example_ids,), mb_kwargs=example_kwargs, split_spec=split_spec)
+    carry_skips(pipe)
+    return pipe
 
 
 def first_stage_inputs(pipe) -> list[str]:
