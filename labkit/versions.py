@@ -4,13 +4,16 @@ Supported and tested: torch 2.11 through 2.15 (the README's test command runs th
 2.15 and the reference runs, the log parser and every notebook on 2.11). What a lesson shows only
 on the versions that have it is listed in `FEATURES`; a notebook cell asks `has(...)` and says so.
 
-The workaround (torch < 2.13, `apply_workarounds`, called by `worker.init_distributed`, so by every
+The workaround (torch < 2.15, `apply_workarounds`, called by `worker.init_distributed`, so by every
 process the kit starts): before a multi-stage schedule's first step, torch 2.11 posts one warm-up
 send and receive between every pair of neighbouring stages, also when both stages live on the same
 rank, as in the V placement of ZBVZeroBubble and DualPipeV (rank 1 holds stages 1 and 2). gloo has
 no connection from a rank to itself, so the first step died with 'Pair is not connected'. The patch
 drops the warm-ups a rank would send to itself (they carry a dummy scalar; the runtime already moves
-tensors between two stages of one rank without sending them); torch 2.13 replaced that warm-up.
+tensors between two stages of one rank without sending them). torch 2.13 replaced that warm-up for
+`PipelineStage` (a vote that knows its own rank), but 2.13 and 2.14 keep it for the tracer's stages
+(`pipe.build_stage`): a traced model with several stages on one rank (`--nproc 1 --split tracer`)
+died the same way there (seen on 2.14.1 with traced BERT and Llama). torch 2.15 removed it.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ FEATURES = {
 }
 """What a torch version added that a lesson shows: name -> (first version, what it is)."""
 
-SELF_P2P_FIXED = (2, 13)
-"""From this torch on, no warm-up send of a rank to itself (see the module docstring)."""
+SELF_P2P_FIXED = (2, 15)
+"""From this torch on, no stage posts a warm-up send to its own rank (see the module docstring)."""
 
 
 def parse(version: str) -> tuple[int, int]:
@@ -77,7 +80,7 @@ def drop_self_p2p(ops: list, group_rank: int) -> list:
 @functools.cache
 def apply_workarounds() -> list[str]:
     """Patch the installed torch where the kit needs it (see the module docstring); the names of the
-    patches applied. Idempotent; does nothing on torch >= 2.13."""
+    patches applied. Idempotent; does nothing on torch >= 2.15."""
     if installed() >= SELF_P2P_FIXED:
         return []
     from torch.distributed.pipelining import stage as pp_stage
@@ -92,4 +95,5 @@ def apply_workarounds() -> list[str]:
         return drop_self_p2p(original(self), self.group_rank)
 
     base._get_init_p2p_neighbors_ops = without_self
-    return ["no warm-up send of a rank to itself (V schedules on gloo, torch < 2.13)"]
+    return ["no warm-up send of a rank to itself (V schedules on gloo with torch < 2.13, traced stages "
+            "sharing a rank with torch < 2.15)"]
