@@ -86,7 +86,7 @@ def test_a_pipe_without_skips_is_left_as_it_was():
     assert carry_skips(pipe) == {}
     assert _sources(pipe) == [{-1}, {0}]
     assert torch.equal(_chain(pipe, (x,)), model(x))
-    assert before.count("call_module") == str(pipe.split_gm.graph).count("call_module")
+    assert str(pipe.split_gm.graph) == before
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")

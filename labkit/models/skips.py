@@ -71,6 +71,8 @@ def carry_skips(pipe) -> dict[int, list[str]]:
     for a in args:
         if any(not isinstance(v, fx.Node) for v in a):
             raise ValueError("carry_skips: a stage takes a constant argument; not a Pipe it can rewrite")
+    if all(producer(v) == i - 1 for i in range(1, n) for v in args[i]):
+        return {}  # a chain already: left exactly as it was
     for i in range(n - 1, 0, -1):
         for v in list(args[i]):
             for m in range(producer(v) + 1, i):
