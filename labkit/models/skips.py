@@ -33,18 +33,21 @@ import operator
 import torch
 
 
-def _calls(graph) -> list:
-    return [n for n in graph.nodes if n.op == "call_module"]
-
-
 def carry_skips(pipe) -> dict[int, list[str]]:
     """Rewrite `pipe` (from `pipeline()`) in place as the module docstring says. Returns, for each stage
     that passes values on to the next one, their names (empty when the Pipe had no skip connection)."""
     import torch.fx as fx
 
     g = pipe.split_gm.graph
-    calls = _calls(g)
+    calls = [node for node in g.nodes if node.op == "call_module"]  # stage i's call, in stage order
     n = len(calls)
+
+    def stage_module(m: int):
+        return pipe.split_gm.get_submodule(calls[m].target)
+
+    def placeholders(m: int) -> list:
+        return [p for p in stage_module(m).graph.nodes if p.op == "placeholder"]
+
     stage_of = {c: i for i, c in enumerate(calls)}
 
     def producer(v: fx.Node) -> int:
@@ -80,15 +83,12 @@ def carry_skips(pipe) -> dict[int, list[str]]:
                     args[m].append(v)
 
     # 2. inside each stage: a placeholder for each new input (the consumer's own placeholder's metadata)
-    def placeholders(m):
-        return [p for p in pipe.split_gm.get_submodule(calls[m].target).graph.nodes if p.op == "placeholder"]
-
     meta_of: dict[fx.Node, dict] = {}
     for i in range(n):
         for v, p in zip(calls[i].args, placeholders(i)):
             meta_of.setdefault(v, p.meta)
     for m in range(n):
-        sub = pipe.split_gm.get_submodule(calls[m].target)
+        sub = stage_module(m)
         have = placeholders(m)
         for v in args[m][len(calls[m].args):]:
             with sub.graph.inserting_after(have[-1]):
@@ -105,7 +105,7 @@ def carry_skips(pipe) -> dict[int, list[str]]:
     new_args = [list(a) for a in args]
     carried: dict[int, list[str]] = {}
     for m in range(n - 1):
-        sub = pipe.split_gm.get_submodule(calls[m].target)
+        sub = stage_module(m)
         out, res = output_values(sub)
         mine = dict(zip(args[m], placeholders(m)))
         values = []
