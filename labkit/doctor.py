@@ -1,13 +1,16 @@
-"""`labkit doctor`: what this machine can run, and a fix-it line for anything missing (notebook 00)."""
+"""`labkit doctor`: what this machine can run, and a fix-it line for anything missing or out of its supported
+range (labkit.versions.RANGES: older than the floor is a problem, newer than tested a warning; notebook 00)."""
 
 from __future__ import annotations
 
 import os
 import platform
 
-from .versions import SUPPORTED, parse, support_problem, text
+from .versions import RANGES, SUPPORTED, range_problem, text
 
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "matplotlib", "nbval", "psutil", "numpy")
+OPTIONAL = {"transformers": "pip install -e '.[models]' (or: pip install 'transformers>={floor}')"}
+"""Not needed by every lesson: missing is a warning, with the command that installs it."""
 
 
 def _version(dist: str) -> str | None:
@@ -33,6 +36,21 @@ def doctor() -> dict:
         if report["packages"][name] is None:
             problems.append({"what": f"{name} is not installed",
                              "fix": f"pip install -e '.[lab,test]' (or: pip install {name})"})
+    for name, how in OPTIONAL.items():
+        report["packages"][name] = _version(name)
+        if report["packages"][name] is None:
+            warnings.append(f"{name} is not installed (needed by {RANGES[name].needed_by}): "
+                            + how.format(floor=RANGES[name].floor))
+    for name in RANGES:  # every installed dependency against its supported range (labkit.versions)
+        have = report["packages"][name] if name in report["packages"] else _version(name)
+        if have:
+            report["packages"][name] = have
+        found = range_problem(name, have) if have else None
+        if found and found[0] == "older":
+            what, _, fix = found[1].partition(": ")
+            problems.append({"what": what, "fix": fix})
+        elif found:
+            warnings.append(found[1])
     gpus, backends = 0, []
     if torch_v is None:
         problems.append({"what": "torch is not installed",
@@ -41,12 +59,6 @@ def doctor() -> dict:
         import torch
         import torch.distributed as dist
 
-        unsupported = support_problem(torch_v)
-        if unsupported and parse(torch_v) < SUPPORTED[0]:
-            what, _, fix = unsupported.partition(": ")
-            problems.append({"what": what, "fix": fix})
-        elif unsupported:
-            warnings.append(unsupported)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if dist.is_available() and dist.is_gloo_available():
             backends.append("gloo (CPU ranks)")
@@ -70,16 +82,21 @@ def doctor() -> dict:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"python      {r['python']} ({r['platform']})", f"cpus        {r['cpus']}",
-             f"gpus        {r['gpus']} {', '.join(r.get('gpu_names', []))}".rstrip()]
+    w = max(12, *(len(name) + 1 for name in r["packages"]))  # the names' column, 'transformers' included
+
+    def row(label: str, value: str) -> str:
+        return f"{label:<{w}}{value}".rstrip()
+
+    lines = [row("python", f"{r['python']} ({r['platform']})"), row("cpus", str(r["cpus"])),
+             row("gpus", f"{r['gpus']} {', '.join(r.get('gpu_names', []))}")]
     for name, v in r["packages"].items():
-        lines.append(f"{name:<11} {v or 'MISSING'}")
-    lines.append(f"backends    {', '.join(r['backends']) or 'none'}")
-    lines.append(f"device      labkit runs on {r['default_device']} by default"
-                 + ("" if r["gpus"] else " (no GPU: gloo ranks on the CPU cores)"))
-    for w in r.get("warnings", []):
-        lines.append(f"WARNING     {w}")
+        lines.append(row(name, v or "MISSING"))
+    lines.append(row("backends", ", ".join(r["backends"]) or "none"))
+    lines.append(row("device", f"labkit runs on {r['default_device']} by default"
+                     + ("" if r["gpus"] else " (no GPU: gloo ranks on the CPU cores)")))
+    for warning in r.get("warnings", []):
+        lines.append(row("WARNING", warning))
     for p in r["problems"]:
-        lines.append(f"PROBLEM     {p['what']}\n  fix:      {p['fix']}")
+        lines.append(row("PROBLEM", p["what"]) + "\n" + row("  fix:", p["fix"]))
     lines.append("all good" if r["ok"] else f"{len(r['problems'])} problem(s) to fix")
     return "\n".join(lines)

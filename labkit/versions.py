@@ -1,8 +1,17 @@
-"""The torch versions the kit supports, what each newer one added, and the one workaround it applies.
+"""The versions the kit supports (torch and every other dependency), what each newer torch added, and
+the one workaround it applies.
 
-Supported and tested: torch 2.11 through 2.15 (the README's test command runs the whole suite on
-2.15 and the reference runs, the log parser and every notebook on 2.11). What a lesson shows only
-on the versions that have it is listed in `FEATURES`; a notebook cell asks `has(...)` and says so.
+Supported and tested: torch 2.11 through 2.15. `RANGES` declares the range of every dependency in
+pyproject.toml: its floor (pyproject.toml's and environment.yml's `>=`, None where they give none)
+and the newest release tested (the main lock's). `dev.py test` covers both ends: its first leg runs
+the whole suite on the main lock (requirements/lab-torch2.15.txt: the newest of everything), its
+second leg the reference runs, the log parser and every notebook on the floors lock
+(requirements/lab-torch2.11.txt: torch 2.11 and every package that has a floor at that floor, e.g.
+transformers 5.23). tests/test_environment.py keeps these ranges, pyproject.toml and the two locks
+in step; `labkit doctor` checks the installed packages against them (`range_problem`). What a lesson
+shows only on the torch versions that have it is listed in `FEATURES`; a notebook cell asks
+`has(...)` and says so. A lesson that depends on another package's release asks for its version
+itself and says what holds on each (notebook 11: transformers 5.23 and 5.24).
 
 The workaround (torch < 2.15, `apply_workarounds`, called by `worker.init_distributed`, so by every
 process the kit starts): before a multi-stage schedule's first step, torch 2.11 posts one warm-up
@@ -19,9 +28,44 @@ died the same way there (seen on 2.14.1 with traced BERT and Llama). torch 2.15 
 from __future__ import annotations
 
 import functools
+import re
+from dataclasses import dataclass
 
-SUPPORTED = ((2, 11), (2, 15))
-"""The oldest and newest (major, minor) torch the kit is tested on."""
+
+@dataclass(frozen=True)
+class Range:
+    """The supported releases of one dependency. Versions are compared at the precision written:
+    "2.15" admits every 2.15.x (a patch release of a tested minor counts as tested)."""
+
+    name: str
+    """The distribution's name, as pip knows it."""
+    floor: str | None
+    """The oldest supported release: pyproject.toml's `>=` (the floors lock pins it, and dev.py test's
+    second leg runs on it); None where pyproject.toml gives no floor (no lower end is tested)."""
+    newest: str
+    """The newest release tested: (major.minor of) the main lock's pin, the first leg of dev.py test."""
+    needed_by: str
+    """What in the lab needs it (said when it is missing or out of range)."""
+
+
+RANGES = {r.name: r for r in (
+    Range("torch", "2.11", "2.15", "everything"),
+    Range("transformers", "5.23", "5.24", "notebook 11 and `labkit run --model` (the models extra)"),
+    Range("numpy", None, "2.5", "the kit"),
+    Range("matplotlib", None, "3.11", "every plot"),
+    Range("psutil", None, "7.2", "the launcher"),
+    Range("jupyterlab", None, "4.6", "the lab"),
+    Range("ipywidgets", None, "8.1", "the explorers"),
+    Range("ipykernel", None, "7.4", "the lab"),
+    Range("latex2mathml", None, "3.81", "the handouts"),
+    Range("pytest", None, "9.2", "the tests"),
+    Range("nbval", None, "0.11", "the notebooks' tests"),
+    Range("playwright", None, "1.65", "the browser tests"),
+)}
+"""Every dependency in pyproject.toml (extras included), with its supported range."""
+
+SUPPORTED = tuple(tuple(int(x) for x in v.split(".")) for v in (RANGES["torch"].floor, RANGES["torch"].newest))
+"""The oldest and newest (major, minor) torch the kit is tested on (RANGES["torch"])."""
 
 FEATURES = {
     "pre-split microbatches": ((2, 14), "schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)"),
@@ -58,17 +102,32 @@ def has(feature: str) -> bool:
     return installed() >= FEATURES[feature][0]
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The numbers of a release: '2.15.0+cu132' -> (2, 15, 0), '5.24.0rc1' -> (5, 24, 0)."""
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split("+")[0].split(".")
+                 if re.match(r"\d+", part))
+
+
+def range_problem(name: str, version: str) -> tuple[str, str] | None:
+    """None for a release of `name` (a key of RANGES) inside its range, else ("older", message) (below
+    the floor: a problem, with the pip command that fixes it) or ("newer", message) (past the newest
+    tested: a warning, it may work)."""
+    r = RANGES[name]
+    have = release(version)
+    tested = f"{r.floor} to {r.newest}" if r.floor else f"up to {r.newest}"
+    if r.floor and have[:len(release(r.floor))] < release(r.floor):
+        return "older", (f"{name} {version} is older than {r.floor}, the oldest the kit supports: "
+                         f"pip install '{name}>={r.floor}' (the kit is tested on {tested})")
+    if have[:len(release(r.newest))] > release(r.newest):
+        return "newer", (f"{name} {version} is newer than {r.newest}, the newest the kit was tested on: it may "
+                         f"work; if a notebook disagrees, pip install '{name}=={r.newest}.*'")
+    return None
+
+
 def support_problem(version: str) -> str | None:
     """None for a torch in the supported range, else what is wrong and how to fix it."""
-    low, high = SUPPORTED
-    have = parse(version)
-    if have < low:
-        return (f"torch {version} is older than {text(low)}, the oldest the kit supports: "
-                f"pip install 'torch>={text(low)}' (the kit is tested on {text(low)} to {text(high)})")
-    if have > high:
-        return (f"torch {version} is newer than {text(high)}, the newest the kit was tested on: it may work; "
-                f"if a notebook disagrees, pip install 'torch=={text(high)}.*'")
-    return None
+    found = range_problem("torch", version)
+    return found[1] if found else None
 
 
 def drop_self_p2p(ops: list, group_rank: int) -> list:

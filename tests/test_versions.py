@@ -55,3 +55,66 @@ def test_the_workaround_patches_only_the_torch_that_needs_it():
         assert applied == []
         assert method is None or not hasattr(method, "__wrapped__")
     assert versions.apply_workarounds() == applied  # idempotent: never wrapped twice
+
+
+# ---- every dependency's range (labkit.versions.RANGES) and `labkit doctor` against it ----
+def test_every_installed_dependency_is_inside_its_range():
+    """Run on both legs of `dev.py test`: the main lock (the newest tested of everything) and the
+    floors lock (torch 2.11, transformers 5.23, ...) must both be inside the declared ranges."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    seen = {}
+    for name in versions.RANGES:
+        try:
+            seen[name] = version(name)
+        except PackageNotFoundError:
+            continue
+        assert versions.range_problem(name, seen[name]) is None, (name, seen[name])
+    assert {"torch", "matplotlib", "nbval"} <= set(seen), seen
+
+
+def test_range_problem_compares_at_the_precision_written():
+    assert versions.release("2.15.0+cu132") == (2, 15, 0) and versions.release("5.24.0rc1") == (5, 24, 0)
+    assert versions.range_problem("transformers", "5.23.0") is None
+    assert versions.range_problem("transformers", "5.24.3") is None        # a patch of the newest tested minor
+    kind, message = versions.range_problem("transformers", "5.22.9")
+    assert kind == "older" and "pip install 'transformers>=5.23'" in message
+    kind, message = versions.range_problem("transformers", "5.25.0")
+    assert kind == "newer" and "newer than 5.24, the newest the kit was tested on" in message
+    assert versions.range_problem("nbval", "0.1.0") is None                 # no floor declared: nothing is too old
+    assert versions.range_problem("nbval", "0.12.0")[0] == "newer"
+    assert versions.SUPPORTED == (versions.parse(versions.RANGES["torch"].floor + ".0"),
+                                  versions.parse(versions.RANGES["torch"].newest + ".0"))
+
+
+def _doctor_with(monkeypatch, **fake):
+    """doctor() with some packages' installed versions replaced (None: not installed)."""
+    from labkit import doctor as doctor_mod
+
+    real = doctor_mod._version
+    monkeypatch.setattr(doctor_mod, "_version", lambda name: fake[name] if name in fake else real(name))
+    return doctor_mod.doctor(), doctor_mod.format_report
+
+
+def test_doctor_calls_a_transformers_below_its_floor_a_problem_with_the_pip_fix(monkeypatch):
+    report, fmt = _doctor_with(monkeypatch, transformers="5.22.0", matplotlib="3.11.2")
+    assert not report["ok"]
+    assert {"what": "transformers 5.22.0 is older than 5.23, the oldest the kit supports",
+            "fix": "pip install 'transformers>=5.23' (the kit is tested on 5.23 to 5.24)"} in report["problems"]
+    text = fmt(report)
+    assert "PROBLEM      transformers 5.22.0 is older than 5.23" in text
+    assert "  fix:       pip install 'transformers>=5.23'" in text
+
+
+def test_doctor_warns_about_releases_newer_than_tested_and_a_missing_optional_package(monkeypatch):
+    report, fmt = _doctor_with(monkeypatch, transformers="5.25.0", matplotlib="3.12.0", torch="2.16.0")
+    assert not any("transformers" in p["what"] or "matplotlib" in p["what"] for p in report["problems"])
+    text = fmt(report)
+    for name, newest in (("transformers", "5.24"), ("matplotlib", "3.11"), ("torch", "2.15")):
+        assert f"is newer than {newest}, the newest the kit was tested on" in text, name
+        assert f"pip install '{name}=={newest}.*'" in text
+    report, fmt = _doctor_with(monkeypatch, transformers=None)
+    assert report["packages"]["transformers"] is None
+    assert any(w.startswith("transformers is not installed (needed by notebook 11") and "'.[models]'" in w
+               for w in report["warnings"])
+    assert not any("transformers" in p["what"] for p in report["problems"])
