@@ -4,8 +4,10 @@ Owns how `scripts/dev.py` builds a virtual environment (standard library only: i
 anything is installed):
 
 - the locks, `requirements/lab-torch<X.Y>.txt`, made by `uv pip compile` from pyproject.toml (extras
-  lab, test) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
-  main environment `.venv` gets torch 2.15.0's lock, `dev.py test`'s second leg torch 2.11.0's.
+  lab, test, models) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
+  main environment `.venv` gets torch 2.15.0's lock (the newest release of everything), `dev.py test`'s
+  second leg the floors lock, torch 2.11.0's (torch-2.11.in pins every package that has a floor at it,
+  e.g. transformers 5.23.0; labkit/versions.py declares the ranges).
 - torch and the packages only torch needs ("the torch family": CUDA libraries, triton, sympy, ...) are
   installed apart from the rest, so that another torch can stand in for the locked one: a torch
   already in the venv (GPU nodes put a CUDA build there first), `PPLAB_TORCH`, or the newest
@@ -96,18 +98,24 @@ def read_lock(path: Path) -> dict[str, list[Pin]]:
 def torch_family(pins: dict[str, list[Pin]]) -> set[str]:
     """torch and every package that is in the lock only because torch (or another of these) needs it:
     what changes with the torch release. The rest of the lock fits any supported torch."""
-    family = {"torch"}
+    return family(pins, {"torch"})
+
+
+def family(pins: dict[str, list[Pin]], roots: set[str]) -> set[str]:
+    """`roots` and every package that is in the lock only because one of them (or another of these)
+    needs it."""
+    found = set(roots)
     changed = True
     while changed:
         changed = False
         for name, entries in pins.items():
-            if name in family:
+            if name in found:
                 continue
             vias = {norm(v.split(" ")[0]) for p in entries for v in p.via}
-            if vias and vias <= family:
-                family.add(name)
+            if vias and vias <= found:
+                found.add(name)
                 changed = True
-    return family
+    return found
 
 
 def locked_torch(pins: dict[str, list[Pin]]) -> str:

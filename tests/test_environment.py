@@ -102,10 +102,60 @@ def test_locked_versions_meet_pyproject_and_environment_yml():
                 assert envsetup.version_tuple(pin.version) >= floor, (lock.name, name, pin.version)
 
 
-def test_the_two_locks_agree_outside_torch():
-    """Both legs of `dev.py test` run the same packages; only torch and what only torch needs differ."""
+def _floors() -> dict[str, str]:
+    """name -> the floor pyproject.toml gives it (`>=`), for every dependency that has one."""
+    out = {}
+    for req in _requirements():
+        m = re.search(r">=\s*([\d.]+)", req)
+        if m:
+            out[envsetup.norm(_name(req))] = m.group(1)
+    return out
+
+
+def test_the_ranges_declared_are_pyprojects_floors_and_the_main_locks_newest():
+    """labkit.versions.RANGES has every dependency of pyproject.toml: its floor is pyproject.toml's (and
+    environment.yml's), its newest is the main lock's release (a lock refresh that moves a package to
+    a new minor without declaring it fails here)."""
+    from labkit.versions import RANGES, release
+    assert {envsetup.norm(n) for n in RANGES} == {envsetup.norm(_name(r)) for r in _requirements()}
+    floors = _floors()
+    conda = {k: v for k, v in _conda().items()}
+    main = envsetup.read_lock(LOCKS[dev.MAIN_TORCH])
+    for name, r in RANGES.items():
+        assert r.floor == floors.get(envsetup.norm(name)), (name, r.floor, floors.get(envsetup.norm(name)))
+        if r.floor:
+            assert conda[CONDA_NAMES.get(name, name)].endswith(f">={r.floor}"), (name, "environment.yml")
+        newest = max(release(p.version) for p in main[envsetup.norm(name)])
+        assert newest[:len(release(r.newest))] == release(r.newest), (name, r.newest, newest)
+
+
+def test_the_floors_lock_pins_every_floor_and_the_main_lock_the_newest():
+    """Leg 2 of `dev.py test` runs on the floors: requirements/torch-2.11.in pins exactly the declared
+    floors (their first release, X.Y.0), and the floors lock holds them; the main lock holds none of
+    them older than its newest tested release."""
+    from labkit.versions import RANGES, release
+    floored = {envsetup.norm(n): r.floor for n, r in RANGES.items() if r.floor}
+    assert set(floored) == set(_floors()) and "torch" in floored and "transformers" in floored
+    src = (ROOT / "requirements" / f"torch-{dev.OTHER_END[0]}.{dev.OTHER_END[1]}.in").read_text()
+    pinned = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)$", src, re.M))
+    assert {envsetup.norm(n): v for n, v in pinned.items()} == {n: f + ".0" for n, f in floored.items()}
+    floors_lock = envsetup.read_lock(LOCKS[dev.OTHER_END])
+    main = envsetup.read_lock(LOCKS[dev.MAIN_TORCH])
+    for name, floor in floored.items():
+        assert [p.version for p in floors_lock[name]] == [floor + ".0"], (name, "floors lock")
+        newest = RANGES[name].newest if name in RANGES else None
+        assert all(release(p.version)[:2] == release(newest) for p in main[name]), (name, "main lock")
+
+
+def test_the_two_locks_agree_outside_the_declared_floors():
+    """Both legs of `dev.py test` run the same packages; only what has a declared floor (torch, transformers:
+    the floors lock pins them at it) and what only those need differ."""
+    from labkit.versions import RANGES
+    floored = {envsetup.norm(n) for n, r in RANGES.items() if r.floor}
     a, b = (envsetup.read_lock(lock) for lock in LOCKS.values())
-    fa, fb = envsetup.torch_family(a), envsetup.torch_family(b)
+    fa, fb = envsetup.family(a, floored), envsetup.family(b, floored)
     rest = lambda pins, fam: {n: [p.line for p in e] for n, e in pins.items() if n not in fam}  # noqa: E731
     assert rest(a, fa) == rest(b, fb)
-    assert {"torch", "sympy", "triton"} <= fa and "jupyterlab" not in fa and "numpy" not in fa
+    ta, tb = envsetup.torch_family(a), envsetup.torch_family(b)
+    assert {"torch", "sympy", "triton"} <= ta and "jupyterlab" not in ta and "numpy" not in ta
+    assert {"transformers", "tokenizers", "safetensors"} <= fa and "jupyterlab" not in fa and "numpy" not in fa
