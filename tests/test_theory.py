@@ -311,7 +311,7 @@ def test_cost_rejects_bad_fields():
 
 @pytest.mark.parametrize("name,cost,expect", [
     ("1F1B", Cost(F=0.7, B=1.9), {"F": 0.7, "B": 1.9, "I": None, "W": None}),
-    ("ZBVZeroBubble", Cost(F=1.5, B=9.0, I=1.25, W=1.75), {"F": 1.5, "B": 3.0, "I": 1.25, "W": 1.75}),
+    ("ZBVZeroBubble", Cost(F=1.5, I=1.25, W=1.75), {"F": 1.5, "B": 3.0, "I": 1.25, "W": 1.75}),
     ("DualPipeV", Cost(F=1.1, B=2.6, I=1.2, W=1.4), {"F": 1.1, "B": 2.6, "I": 1.2, "W": 1.4}),
 ])
 def test_fit_cost_recovers_simulated_costs(name, cost, expect):
@@ -320,6 +320,60 @@ def test_fit_cost_recovers_simulated_costs(name, cost, expect):
         got = getattr(fitted, k)
         assert got == pytest.approx(v) if v is not None else got is None, k
     assert fitted.unit == "units"
+
+
+def test_cost_i_and_w_imply_b():
+    """I and W without B give B = I + W (not the default 2): a full backward is its two halves."""
+    c = Cost(F=0.5, I=0.5, W=0.5)
+    assert (c.B, c.duration("B"), c.to_dict()["B"]) == (1.0, 1.0, 1.0)
+    assert Cost.parse("F=0.5,I=0.5,W=0.5") == c == Cost(F=0.5, B=1, I=0.5, W=0.5)
+    assert Cost(I=0.25, W=1.5).B == 1.75 and Cost().B == 2.0 and Cost(B=3).duration("I") == 1.5
+    assert Cost(B=2.6, I=1.2, W=1.4).B == 2.6  # 1.2 + 1.4 is 2.5999999999999996 in floats: agrees
+    # one half given: the other is the rest of B
+    assert (Cost(B=3, I=1).weight_grad, Cost(B=3, W=1).input_grad) == (2.0, 2.0)
+    assert Cost(**Cost(F=1, I=0.3, W=0.9).to_dict()) == Cost(F=1, I=0.3, W=0.9)  # what `labkit search --comm` rebuilds
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"F": 0.5, "B": 2, "I": 0.5, "W": 0.5}, r"B=2 contradicts I \+ W = 0.5 \+ 0.5 = 1.*Give B=1, or leave B out"),
+    ({"B": 1, "I": 1, "W": 1}, r"contradicts I \+ W.*Give B=2"),
+    ({"I": 3}, r"I=3 is longer than the whole backward B=2.*give W too"),
+    ({"B": 1, "W": 1.5}, r"W=1.5 is longer than the whole backward B=1"),
+])
+def test_cost_refuses_a_b_that_is_not_i_plus_w(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Cost(**kwargs)
+    with pytest.raises(ConfigError, match=match):
+        Cost.parse(",".join(f"{k}={v}" for k, v in kwargs.items()))
+
+
+def test_cli_theory_cost_i_w_without_b(capsys):
+    """Issue 30: `--cost F=0.5,I=0.5,W=0.5` kept B = 2 and gave DualPipeV pp 4 m 8 a makespan of 37.5."""
+    from labkit.cli import main
+
+    args = ["theory", "--schedule", "DualPipeV", "--pp-size", "4", "--microbatches", "8", "--json"]
+    assert main(args + ["--cost", "F=0.5,I=0.5,W=0.5"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert main(args + ["--cost", "F=0.5,B=1"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert split["makespan"] == whole["makespan"] == 25.5
+    assert main(args + ["--cost", "F=0.5,I=0.5,W=0.5,B=2"]) == 2
+    err = capsys.readouterr().err
+    assert "contradicts I + W" in err and "Give B=1" in err and "Traceback" not in err
+
+
+def test_fit_cost_of_whole_and_split_backwards_keeps_b_equal_i_plus_w():
+    """DualPipeV runs some backwards whole (B) and splits others (I, W); measured, B is not exactly
+    I + W. The fit scales I and W by one factor: B = I + W, the I:W ratio and the run's total
+    backward time are kept."""
+    acts = [Action(0, 0, 0, "F", 0.0, 1.0), Action(0, 0, 0, "B", 1.0, 3.5),      # B = 2.5
+            Action(0, 0, 1, "B", 3.5, 6.0),                                       # B = 2.5
+            Action(0, 0, 2, "I", 6.0, 7.0), Action(0, 0, 2, "W", 7.0, 9.0)]       # I + W = 3
+    c = fit_cost(Timeline(acts, source="measured"))
+    assert c.B == pytest.approx(c.input_grad + c.weight_grad)
+    assert c.weight_grad == pytest.approx(2 * c.input_grad)
+    assert 2 * c.B + c.input_grad + c.weight_grad == pytest.approx(2.5 + 2.5 + 1 + 2)
+    assert c.B == pytest.approx(8 / 3)
 
 
 def test_fit_cost_of_measured_timeline_is_in_seconds():

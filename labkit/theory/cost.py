@@ -25,12 +25,13 @@ class Cost:
 
     F: float = 1.0
     """Forward of one stage on one microbatch."""
-    B: float = 2.0
-    """Full backward (input and weight gradients together)."""
+    B: float | None = None
+    """Full backward (input and weight gradients together): I + W when both are given, else 2.0. A B
+    that is not I + W is refused: a full backward is the two halves run one after the other."""
     I: float | None = None  # noqa: E741 (the glossary's name for backward-input)
-    """Backward for the inputs only (split-backward schedules); default B/2."""
+    """Backward for the inputs only (split-backward schedules); default B - W, or B/2 without W."""
     W: float | None = None
-    """Backward for the weights only (split-backward schedules); default B/2."""
+    """Backward for the weights only (split-backward schedules); default B - I, or B/2 without I."""
     p2p: float = 0.0
     """Latency between a stage's output and the dependent action on ANOTHER rank (0 on the same rank)."""
     unit: str = "units"
@@ -39,23 +40,40 @@ class Cost:
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "p2p"):
             value = getattr(self, name)
-            if value is None and name in ("I", "W"):
+            if value is None and name in ("B", "I", "W"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"Cost {name} must be a finite number (a duration), got {value!r}. "
                                   f"Use {_COST_EXAMPLE}.")
             if value < 0:
                 raise ConfigError(f"Cost {name} must be >= 0 (a duration), got {value}. Use {_COST_EXAMPLE}.")
+        i, w = self.I, self.W
+        if self.B is None:  # frozen: resolve B once, here (I and W stay as given: None means "the rest of B")
+            object.__setattr__(self, "B", float(i) + float(w) if i is not None and w is not None else 2.0)
+        elif i is not None and w is not None and not math.isclose(self.B, i + w, rel_tol=1e-9, abs_tol=1e-12):
+            raise ConfigError(f"Cost B={self.B:g} contradicts I + W = {i:g} + {w:g} = {i + w:g}: a full backward "
+                              f"(B) is its input half (I) and its weight half (W). Give B={i + w:g}, or leave B "
+                              f"out (I and W imply it), or give B with only one of I and W.")
+        for name, half in (("I", i), ("W", w)):
+            if half is not None and half > self.B * (1 + 1e-9) + 1e-12:
+                other = "W" if name == "I" else "I"
+                raise ConfigError(f"Cost {name}={half:g} is longer than the whole backward B={self.B:g}: "
+                                  f"{name} is a part of B (B = I + W). Give B >= {half:g}, or give {other} too "
+                                  f"(then B = I + W).")
 
     @property
     def input_grad(self) -> float:
-        """Resolved I: the given value, else B/2."""
-        return self.B / 2 if self.I is None else float(self.I)
+        """Resolved I: the given value, else B - W (W given), else B/2."""
+        if self.I is not None:
+            return float(self.I)
+        return max(float(self.B) - float(self.W), 0.0) if self.W is not None else self.B / 2
 
     @property
     def weight_grad(self) -> float:
-        """Resolved W: the given value, else B/2."""
-        return self.B / 2 if self.W is None else float(self.W)
+        """Resolved W: the given value, else B - I (I given), else B/2."""
+        if self.W is not None:
+            return float(self.W)
+        return max(float(self.B) - float(self.I), 0.0) if self.I is not None else self.B / 2
 
     def duration(self, kind: str) -> float:
         """Duration of one action of `kind` (F, B, I or W)."""
@@ -119,7 +137,10 @@ def fit_cost(timeline: Timeline, p2p: float = 0.0) -> Cost:
     """Mean F, B, I, W durations of a (measured) timeline, to draw its ideal with `simulate`.
 
     Kinds that never ran keep their defaults (I, W: B/2); a split-backward run without any B gets
-    B = I + W. p2p is not measured here: pass it if you know it. Notebook 06.
+    B = I + W. A run with both (DualPipeV runs some backwards whole, splits others) measures a B
+    that is not exactly I + W, which `Cost` refuses: I and W are scaled by one factor so that
+    B = I + W and the backward time of the run's own actions (B, I and W together) is kept.
+    p2p is not measured here: pass it if you know it. Notebook 06.
     """
     comp = timeline.compute()
     if not comp:
@@ -133,10 +154,19 @@ def fit_cost(timeline: Timeline, p2p: float = 0.0) -> Cost:
     for k in ("F", "I", "W"):
         if k in mean:
             values[k] = mean[k]
-    if "B" in mean:
+    if "B" in mean and "I" in mean and "W" in mean:
+        n = {k: len(by_kind[k]) for k in ("B", "I", "W")}
+        split = n["B"] * (mean["I"] + mean["W"]) + n["I"] * mean["I"] + n["W"] * mean["W"]
+        total = n["B"] * mean["B"] + n["I"] * mean["I"] + n["W"] * mean["W"]
+        scale = total / split if split > 0 else 1.0
+        values["I"], values["W"] = mean["I"] * scale, mean["W"] * scale
+        values["B"] = values["I"] + values["W"]
+    elif "B" in mean:
         values["B"] = mean["B"]
-    elif "I" in mean and "W" in mean:
-        values["B"] = mean["I"] + mean["W"]
+        if "I" in mean and "W" not in mean:  # a W that never ran: the rest of B
+            values["I"] = min(mean["I"], mean["B"])
+        elif "W" in mean and "I" not in mean:
+            values["W"] = min(mean["W"], mean["B"])
     if timeline.source == "theory":
         values["unit"] = timeline.meta.get("unit", "units")
     else:
