@@ -1,5 +1,6 @@
 """In-process checks of the model, the manual split and the reference (no torchrun needed)."""
 
+import pytest
 import torch
 
 from labkit.config import RunConfig
@@ -69,13 +70,14 @@ def test_grad_diff_never_skips_a_missing_parameter():
 
 def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     """Stages cut as `full[s]` from an nn.Sequential call their weight `weight`, the unsplit model `0.weight`:
-    without prefix_stage_index no gradient is found, and the failure says which setting fixes it."""
+    without prefix_stage_index no gradient could be found, so check_step refuses (before its collectives)
+    and says which setting fixes it; stages renumbered 0..k collide with stage 0's names and are named so."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
     import torch.nn as nn
 
-    from labkit.reference import check_step
+    from labkit.reference import CheckStepError, check_step
 
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
@@ -85,14 +87,24 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     mse = nn.functional.mse_loss
     losses = [mse(o, t) for o, t in zip(full(x).chunk(2), y.chunk(2))]   # the step, run whole (1 rank, 3 stages)
     torch.stack(losses).mean().backward()
+    # Stage 1 holds full[2] renumbered as child 0 (stage 0 keeps the unsplit names): it collides with stage 0.
+    renumbered = [SimpleNamespace(submod=full[0:2], stage_index=0, is_last=False, device=torch.device("cpu")),
+                  SimpleNamespace(submod=nn.Sequential(full[2]), stage_index=1, is_last=True, device=torch.device("cpu"))]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        wrong = check_step(full, stages, x, y, losses, 2, mse)
+        with pytest.raises(CheckStepError) as wrong:
+            check_step(full, stages, x, y, losses, 2, mse)
+        with pytest.raises(CheckStepError) as collide:
+            check_step(full, renumbered, x, y, losses, 2, mse)
         right = check_step(full, stages, x, y, losses, 2, mse, prefix_stage_index=True)
     finally:
         dist.destroy_process_group()
-    assert not wrong.ok and wrong.misnamed == 4
-    assert "gradients compared for 0 of 40 parameters" in wrong.failure
-    assert "pass prefix_stage_index=True" in wrong.failure
-    assert "e.g. 'weight', which the unsplit model calls '0.weight'." in wrong.failure
-    assert right.ok and right.misnamed == 0 and right.failure is None
+    msg = str(wrong.value)
+    assert "4 stage parameters have names that the unsplit model does not have" in msg
+    assert "pass prefix_stage_index=True" in msg
+    assert "e.g. 'weight', which the unsplit model calls '0.weight'." in msg
+    assert "collide" not in msg  # names the unsplit model lacks are not also reported as collisions
+    msg = str(collide.value)
+    assert "parameter names collide across stages: 2 names are claimed by more than one stage (stages 0 and 1)" in msg
+    assert "'0.bias', '0.weight'" in msg and "renumbered 0..k" in msg and "tolerance" not in msg
+    assert right.ok and right.failure is None
