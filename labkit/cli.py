@@ -158,9 +158,9 @@ def cmd_slurm(a) -> int:
 
 
 def cmd_timeline(a) -> int:
-    from .compare import load_timeline, measured_vs_ideal
+    from .compare import load_timeline, with_pipelines
 
-    tl = load_timeline(a.paths, a.source)
+    tl = with_pipelines(load_timeline(a.paths, a.source), a.paths[0] if len(a.paths) == 1 else None)
     if a.perfetto:
         from .trace import write_chrome_trace
 
@@ -170,11 +170,12 @@ def cmd_timeline(a) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
-        from .plot import plot_side_by_side
 
-        if len(a.paths) == 1:
-            measured, ideal, _ = measured_vs_ideal(a.paths[0], a.source)
-            fig = plot_side_by_side(measured, ideal)
+        if len(a.paths) == 1:  # one measured step above its fitted ideal; one pair per pipeline (pp x dp)
+            from .compare import measured_vs_ideal_by_pipeline
+            from .plot import plot_pipelines
+
+            fig = plot_pipelines(measured_vs_ideal_by_pipeline(a.paths[0], a.source))
         else:
             import matplotlib.pyplot as plt
 
@@ -185,19 +186,43 @@ def cmd_timeline(a) -> int:
         fig.savefig(a.plot, dpi=120, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr)
     if a.idle:
-        from .spans import explain_idle_spans
+        from .spans import explain_idle_by_pipeline
 
         if tl.source != "spans":
             print("labkit timeline --idle reads spans, and this run has none: use labkit.logs.explain_idle on its "
                   "logs instead", file=sys.stderr)
             return 2
-        print(explain_idle_spans(a.paths[0] if len(a.paths) == 1 else Path(a.paths[0]).parent).text())
+        print(explain_idle_by_pipeline(a.paths[0] if len(a.paths) == 1 else Path(a.paths[0]).parent).text())
         return 0
     if a.json or not (a.plot or a.perfetto):
         out = tl.to_json()
         out["source"] = "logs" if out["source"] == "measured" else out["source"]  # say where it came from
-        print(json.dumps(out if a.json else {"metrics": out["metrics"], "meta": out["meta"]}, indent=None if a.json else 2))
+        if len(tl.pipelines) > 1:  # several pipelines (pp x dp): each its own metrics and fitted ideal
+            out["pipelines"] = _pipelines_json(tl, a.paths[0] if len(a.paths) == 1 else None, a.source)
+        brief = {"metrics": out["metrics"], "meta": out["meta"], **({"pipelines": out["pipelines"]} if "pipelines" in out else {})}
+        print(json.dumps(out if a.json else brief, indent=None if a.json else 2))
     return 0
+
+
+def _pipelines_json(tl, path, source: str) -> list[dict]:
+    """Per pipeline: its ranks, its metrics (the same steps as the whole timeline's) and, for a run
+    directory, its last step beside its own fitted ideal (`labkit.compare.measured_vs_ideal_by_pipeline`)."""
+    from .compare import measured_vs_ideal_by_pipeline
+
+    vs_ideal = []
+    if path is not None and Path(path).is_dir():
+        try:
+            vs_ideal = [summary for _, _, summary in measured_vs_ideal_by_pipeline(path, source)]
+        except ValueError as e:
+            print(f"labkit timeline: no ideal per pipeline: {e}", file=sys.stderr)
+    out = []
+    for i, part in enumerate(tl.split_pipelines()):
+        row = {"pipeline": i, "ranks": tl.pipelines[i], "metrics": part.metrics()}
+        ideal = next((v for v in vs_ideal if v.get("ranks") == tl.pipelines[i]), None)
+        if ideal is not None:
+            row["vs_ideal"] = ideal
+        out.append(row)
+    return out
 
 
 def cmd_theory(a) -> int:

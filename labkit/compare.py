@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import schedule_info
-from .timeline import Action, Timeline
+from .timeline import COMPUTE_KINDS, Action, Timeline
 
 SOURCES = ("auto", "spans", "logs", "profiler")
 
@@ -86,7 +86,14 @@ def run_shape(tl: Timeline, run_dir: str | os.PathLike | None = None) -> Shape:
         raise ValueError("Cannot tell which schedule ran (no 'Using Schedule...' line): pass the run directory.")
     ranks = {a.rank for a in comp}
     n_stages = max(a.stage for a in comp) + 1
+    if n_stages % len(ranks):  # e.g. 2 stages on 4 ranks: several pipelines (pp x dp), not one
+        raise ValueError(f"{len(ranks)} ranks ran {n_stages} stages: they form several pipelines (replicas, pp x dp), "
+                         f"and this timeline does not say which ranks are in which (spans record it: rerun with "
+                         f"the kit's spans on, then use Timeline.split_pipelines()).")
     return Shape(schedule_info(name).name, len(ranks), max(a.microbatch for a in comp) + 1, n_stages // len(ranks))
+
+
+_OPENS = ("UNSHARD", "RECV")  # between two steps: these belong to the next one, the rest to the one before
 
 
 def one_step(tl: Timeline, which: str = "last") -> Timeline:
@@ -98,7 +105,18 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
     for r in tl.ranks:
         mine = sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start)
         n = len(mine) // steps
-        keep += mine[-n:] if which == "last" else mine[:n]
+        if not n:
+            continue
+        kept = mine[-n:] if which == "last" else mine[:n]
+        keep += kept
+        # the step's other actions (transfers, FSDP's collectives): those among its computes, and between
+        # two steps those that open a step (UNSHARD, a receive) or close one (REDUCE_GRAD, RESHARD, a send)
+        c0, c1 = kept[0].start, max(a.end for a in kept)
+        before = mine[-n - 1].end if which == "last" and len(mine) > n else float("-inf")
+        after = mine[n].start if which != "last" and len(mine) > n else float("inf")
+        keep += [a for a in tl.actions if a.rank == r and a.kind not in COMPUTE_KINDS and (
+            c0 <= a.start < c1 or (before <= a.start < c0 and a.kind in _OPENS) or
+            (c1 <= a.start < after and a.kind not in _OPENS))]
     return Timeline(sorted(keep, key=lambda a: (a.start, a.rank)), tl.source,
                     {**tl.meta, "steps": 1, "step": f"{which} of {steps}"})
 
@@ -134,15 +152,68 @@ def order_ideal(tl: Timeline, order: dict) -> Timeline:
 
 
 def measured_vs_ideal(path, source: str = "auto") -> tuple[Timeline, Timeline, dict]:
-    """(measured step, fitted ideal, summary) of a run directory (the last step of a multi-step run)."""
+    """(measured step, fitted ideal, summary) of a run directory (the last step of a multi-step run).
+    A run whose ranks form several pipelines (pp x dp) has one ideal per pipeline: `measured_vs_ideal_by_pipeline`."""
+    views = measured_vs_ideal_by_pipeline(path, source)
+    if len(views) > 1:
+        raise ValueError(f"This run's ranks form {len(views)} pipelines ("
+                         + "; ".join("ranks " + ", ".join(map(str, v[2]["ranks"])) for v in views)
+                         + "): each has its own ideal. Use labkit.compare.measured_vs_ideal_by_pipeline(path) "
+                           "(`labkit timeline RUN --plot` draws each).")
+    return views[0]
+
+
+def measured_vs_ideal_by_pipeline(path, source: str = "auto") -> list[tuple[Timeline, Timeline, dict]]:
+    """[(measured step, fitted ideal, summary)] of a run directory, one per pipeline (replica) its ranks
+    formed (one for a plain pipeline): `pipelines_vs_ideal` of its last step. Notebook 12."""
     measured = one_step(load_timeline(path, source))
-    shape = run_shape(measured, path if Path(path).is_dir() else None)
-    order = _run_order(path)
-    ideal = fitted_ideal(measured, shape) if order is None else order_ideal(measured, order)
-    m, i = measured.metrics(), ideal.metrics()
-    summary = {"schedule": shape.schedule, "pp_size": shape.pp_size, "n_microbatches": shape.n_microbatches,
-               "stages_per_rank": shape.stages_per_rank, "source": measured.source,
-               "measured_bubble_fraction": m["bubble_fraction"], "ideal_bubble_fraction": i["bubble_fraction"],
-               "measured_bubble_ratio": m["bubble_ratio"], "ideal_bubble_ratio": i["bubble_ratio"],
-               "measured_makespan": m["makespan"], "ideal_makespan": i["makespan"]}
-    return measured, ideal, summary
+    return pipelines_vs_ideal(measured, path if Path(path).is_dir() else None)
+
+
+def pipelines_vs_ideal(measured: Timeline, run_dir=None) -> list[tuple[Timeline, Timeline, dict]]:
+    """Each pipeline of a measured step (`Timeline.split_pipelines`: the groups the ranks recorded, or
+    result.json's `pipelines`) beside its own ideal, the costs fitted to that pipeline alone. The
+    ideal's ranks are the pipeline's (its i-th rank is the pipeline's i-th: its process group's order)."""
+    with_pipelines(measured, run_dir)
+    order = _run_order(run_dir) if run_dir is not None else None
+    views = []
+    for index, part in enumerate(measured.split_pipelines()):
+        ranks = part.pipelines[0] if part.actions else []
+        shape = run_shape(part, run_dir)
+        ideal = fitted_ideal(part, shape) if order is None else order_ideal(part, order)
+        if len(measured.pipelines) > 1:
+            ideal = _on_ranks(ideal, ranks)
+            ideal.meta["pipeline"], ideal.meta["pipelines"] = index, [list(ranks)]
+        m, i = part.metrics(), ideal.metrics()
+        summary = {"schedule": shape.schedule, "pp_size": shape.pp_size, "n_microbatches": shape.n_microbatches,
+                   "stages_per_rank": shape.stages_per_rank, "source": part.source,
+                   "measured_bubble_fraction": m["bubble_fraction"], "ideal_bubble_fraction": i["bubble_fraction"],
+                   "measured_bubble_ratio": m["bubble_ratio"], "ideal_bubble_ratio": i["bubble_ratio"],
+                   "measured_makespan": m["makespan"], "ideal_makespan": i["makespan"]}
+        if len(measured.pipelines) > 1:
+            summary = {"pipeline": index, "ranks": list(ranks), **summary}
+        views.append((part, ideal, summary))
+    return views
+
+
+def with_pipelines(tl: Timeline, run_dir=None) -> Timeline:
+    """`tl` with the pipelines its run recorded: the spans' own (already in `tl.meta`), else a run
+    directory's result.json `pipelines` (a `labkit run --dp-size/--tp-size` run: read from its mesh),
+    for timelines read from its logs or profiler traces. Never guessed from the shape."""
+    if "pipelines" not in tl.meta and run_dir is not None and Path(run_dir).is_dir() \
+            and (Path(run_dir) / "result.json").exists():
+        try:
+            recorded = json.loads((Path(run_dir) / "result.json").read_text()).get("pipelines")
+        except ValueError:
+            recorded = None
+        if recorded and len(recorded) > 1:
+            tl.meta["pipelines"] = recorded
+    return tl
+
+
+def _on_ranks(ideal: Timeline, ranks: list[int]) -> Timeline:
+    """The ideal with its ranks 0..p-1 named as the pipeline's global ranks (the rows then read alike)."""
+    if len(set(a.rank for a in ideal.actions)) > len(ranks):
+        return ideal
+    acts = [a._replace(rank=ranks[a.rank]) for a in ideal.actions]
+    return Timeline(acts, ideal.source, dict(ideal.meta))

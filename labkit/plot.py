@@ -29,7 +29,7 @@ from .theory import closed_form_bubble
 from .timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
-           "plot_bubble_sweep", "plot_memory"]
+           "plot_pipelines", "plot_bubble_sweep", "plot_memory"]
 
 STAGE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
@@ -186,6 +186,30 @@ def plot_side_by_side(measured: Timeline, ideal: Timeline, axes=None, by: str = 
     if _unit(measured) == _unit(ideal) and measured.actions and ideal.actions:
         right = max(axes[0].get_xlim()[1], axes[1].get_xlim()[1])
         for ax in axes:
+            ax.set_xlim(0, right)
+    return fig
+
+
+def plot_pipelines(views) -> Figure:
+    """Each pipeline (replica) of a run, its measured step above its own fitted ideal: `views` as
+    `labkit.compare.pipelines_vs_ideal` gives them ([(measured, ideal, summary)], one per pipeline).
+    One time scale for all panels in the same unit. Returns a new Figure (notebook 12)."""
+    views = list(views)
+    if not views:
+        raise ValueError("plot_pipelines needs at least one (measured, ideal, summary) view.")
+    if len(views) == 1:
+        return plot_side_by_side(views[0][0], views[0][1])
+    rows = [len({a.rank for a in tl.actions}) for m, i, _ in views for tl in (m, i)]
+    fig = Figure(figsize=(11, 1.6 * len(rows) + 0.45 * sum(rows)), layout="constrained")
+    axes = fig.subplots(len(rows), 1)
+    for k, (measured, ideal, summary) in enumerate(views):
+        name = f"pipeline {summary.get('pipeline', k)} (ranks {', '.join(map(str, summary.get('ranks', [])))}): "
+        plot_timeline(axes[2 * k], measured, title=name + _default_title(measured))
+        plot_timeline(axes[2 * k + 1], ideal, title=name + _default_title(ideal))
+    timed = [ax for ax, tl in zip(axes, (tl for m, i, _ in views for tl in (m, i))) if tl.actions]
+    if len({_unit(tl) for m, i, _ in views for tl in (m, i)}) == 1 and timed:
+        right = max(ax.get_xlim()[1] for ax in timed)
+        for ax in timed:
             ax.set_xlim(0, right)
     return fig
 

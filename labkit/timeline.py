@@ -92,6 +92,27 @@ class Timeline:
             "n_ranks": len(ranks),
         }
 
+    @property
+    def pipelines(self) -> list[list[int]]:
+        """The pipelines (replicas) the ranks form, each a list of ranks in their pipeline's order
+        (`meta["pipelines"]`: recorded by the run, `labkit.spans` / result.json); one pipeline of every
+        rank when the run did not record any (a plain pipeline). Notebook 12."""
+        recorded = self.meta.get("pipelines")
+        present = set(self.ranks)
+        if recorded:
+            parts = [p for p in ([r for r in p if r in present] for p in recorded) if p]
+            rest = sorted(present - {r for p in parts for r in p})  # ranks that recorded no group: kept together
+            return parts + [rest] if rest else parts
+        return [self.ranks] if present else []
+
+    def pipeline_of(self) -> dict[int, int]:
+        """{rank: the index of its pipeline in `pipelines`}."""
+        return {r: i for i, p in enumerate(self.pipelines) for r in p}
+
+    def split_pipelines(self) -> list["Timeline"]:
+        """One Timeline per pipeline (`split_timeline`): each replica's ranks, every kind of action."""
+        return split_timeline(self, self.pipelines)
+
     def to_json(self) -> dict:
         """`actions`: compute only (F/B/I/W); `comms`: SEND/RECV where the logs show them; times from
         the first action, in seconds for measured timelines."""
@@ -114,3 +135,47 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
+
+
+def group_pipelines(groups: dict[int, list[int]]) -> list[list[int]]:
+    """The pipelines of a run, from what each rank recorded as its stages' process group.
+
+    `groups`: {rank: the global ranks of its stage's group, in group-rank order} (torch's
+    `PipelineStage(..., group=)`: `dist.get_process_group_ranks(stage.group)`, recorded by
+    `labkit.spans`). Returns the distinct groups (pipelines), ordered by their first rank; a rank
+    in no recorded group (it recorded nothing) is in none. Raises ValueError when the records
+    contradict each other (a rank outside its own group, two ranks of one group naming different
+    groups, a rank in two pipelines): then the ranks did not form pipelines."""
+    pipelines: list[list[int]] = []
+    owner: dict[int, list[int]] = {}
+    for rank in sorted(groups):
+        group = [int(r) for r in groups[rank]]
+        if rank not in group:
+            raise ValueError(f"rank {rank} recorded its stage's group as ranks {group}, which does not hold it.")
+        if len(set(group)) != len(group):
+            raise ValueError(f"rank {rank} recorded a group that names a rank twice: {group}.")
+        for other in group:
+            if other in groups and sorted(groups[other]) != sorted(group):
+                raise ValueError(f"ranks {rank} and {other} disagree on their pipeline: rank {rank} recorded "
+                                 f"{group}, rank {other} recorded {list(groups[other])}.")
+            if other in owner and sorted(owner[other]) != sorted(group):
+                raise ValueError(f"rank {other} is in two pipelines: {owner[other]} and {group}.")
+        if not any(sorted(p) == sorted(group) for p in pipelines):
+            pipelines.append(group)
+            for other in group:
+                owner[other] = group
+    return sorted(pipelines, key=min)
+
+
+def split_timeline(timeline: Timeline, pipelines: list[list[int]]) -> list[Timeline]:
+    """One Timeline per pipeline: the actions of its ranks (compute, transfers, FSDP's collectives),
+    the timeline's source, and its meta with `pipelines` = [that pipeline] and `pipeline` = its
+    index. Every action of a rank in some pipeline lands in exactly one part."""
+    parts = []
+    for i, ranks in enumerate(pipelines):
+        keep = set(ranks)
+        meta = {**timeline.meta, "pipelines": [list(ranks)], "pipeline": i}
+        if isinstance(meta.get("steps_per_rank"), dict):
+            meta["steps_per_rank"] = {k: v for k, v in meta["steps_per_rank"].items() if int(k) in keep}
+        parts.append(Timeline([a for a in timeline.actions if a.rank in keep], timeline.source, meta))
+    return parts

@@ -242,3 +242,45 @@ def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches
     loaded = {k: v.clone() for k, v in seeded.items()}
     dcp.load(loaded, checkpoint_id=str(ckpt))
     assert any(not torch.equal(loaded[k], seeded[k]) for k in seeded)
+
+
+def test_a_composed_runs_timeline_and_idle_are_per_pipeline(composed, tmp_path, capsys):
+    """(pp, dp) = (2, 2) under FSDP2, 2 stages per rank: the ranks recorded their stages' groups, so
+    the timeline, the idle report and `labkit timeline` (--json, --idle, --plot) give 2 pipelines, each
+    with every rank's actions (FSDP's UNSHARD / REDUCE_GRAD included) beside its own fitted ideal,
+    which plans exactly the actions the pipeline ran. Reuses the composed job: no launch of its own."""
+    from labkit.compare import load_timeline, measured_vs_ideal_by_pipeline
+    from labkit.spans import explain_idle_by_pipeline
+
+    name = "loopedbfs fsdp clip"
+    res, run = composed[name], composed["__dirs__"][name]
+    assert res is not None, composed["__job__"].error
+    pipelines = [[0, 2], [1, 3]]  # init_device_mesh (2, 2, 1): the ranks sharing a dp coordinate
+    assert res["pipelines"] == pipelines
+    tl = load_timeline(run)
+    assert tl.source == "spans" and tl.pipelines == pipelines and tl.ranks == [0, 1, 2, 3]
+    n_stages, m = COMPOSED[name].n_stages, COMPOSED[name].n_microbatches
+    views = measured_vs_ideal_by_pipeline(run)
+    assert [v[2]["ranks"] for v in views] == pipelines
+    for measured, ideal, summary in views:
+        assert measured.ranks == summary["ranks"] == ideal.ranks
+        assert (summary["schedule"], summary["pp_size"], summary["stages_per_rank"]) == ("LoopedBFS", 2, 2)
+        assert measured.counts() == ideal.counts() == {(s, k): m for s in range(n_stages) for k in ("F", "B")}
+        for rank in measured.ranks:  # each rank's FSDP collectives in its pipeline's step
+            assert {"UNSHARD", "REDUCE_GRAD"} <= {a.kind for a in measured.actions if a.rank == rank}, rank
+    rep = explain_idle_by_pipeline(run)
+    assert rep.pipelines == pipelines and [sorted(r.idle) for r in rep] == pipelines
+    for r, (measured, _, _) in zip(rep, views):
+        assert r.makespan == pytest.approx(measured.metrics()["makespan"], rel=1e-6)
+    from labkit.cli import main  # `labkit timeline`, in this process (no interpreter start per call)
+
+    capsys.readouterr()
+    assert main(["timeline", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted({a["rank"] for a in out["actions"]}) == [0, 1, 2, 3]
+    assert [p["ranks"] for p in out["pipelines"]] == [p["vs_ideal"]["ranks"] for p in out["pipelines"]] == pipelines
+    assert main(["timeline", str(run), "--idle"]) == 0
+    idle = capsys.readouterr().out
+    assert "pipeline 0 (ranks 0, 2)" in idle and "pipeline 1 (ranks 1, 3)" in idle, idle
+    png = tmp_path / "pipelines.png"
+    assert main(["timeline", str(run), "--plot", str(png)]) == 0 and png.stat().st_size > 0

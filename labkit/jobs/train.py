@@ -312,6 +312,8 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
             result.update(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
                           mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),
                           global_batch=cfg.batch_size, checked_microbatches=n_mb,
+                          # the pipelines, read from the mesh the ranks built: ranks sharing (dp, tp), in pp order
+                          pipelines=[par.mesh.mesh[:, i, j].tolist() for i in range(cfg.dp_size) for j in range(cfg.tp_size)],
                           memory_per_rank=[dict(zip(("parameters", "gradients", "optimizer_state", "activations"),
                                                     map(int, row))) for row in memory])
         if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)

@@ -87,10 +87,11 @@ class Run:
         return load_timeline(self.run_dir, source)
 
     def idle(self, which: str | int = "last"):
-        """Where a step's idle time went, by cause and per gap, measured from the run's spans."""
-        from ..spans import explain_idle_spans
+        """Where a step's idle time went, by cause and per gap, measured from the run's spans (one
+        report per pipeline when the ranks formed several: `labkit.spans.idle.IdleByPipeline`)."""
+        from ..spans import explain_idle_by_pipeline
 
-        return explain_idle_spans(self.run_dir, which)
+        return explain_idle_by_pipeline(self.run_dir, which)
 
     def summary(self) -> dict:
         """Deterministic facts about the run (no times, paths or pids): safe to print in a tested notebook."""

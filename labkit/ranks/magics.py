@@ -73,23 +73,27 @@ def status_text(st: dict) -> str:
 
 
 def draw_timeline(pool: Ranks, cell: int | None = None):
-    """The cell's measured timeline (its last step) above the ideal one with fitted costs; returns the Figure."""
-    from ..compare import fitted_ideal, one_step, run_shape
-    from ..plot import plot_side_by_side
+    """The cell's measured timeline (its last step) above the ideal one with fitted costs; returns the
+    Figure. Ranks that formed several pipelines (a (pp, dp) mesh) get one pair per pipeline."""
+    from ..compare import one_step, pipelines_vs_ideal
+    from ..plot import plot_pipelines
 
     measured = one_step(pool.timeline(cell))
     try:
-        shape = run_shape(measured)
+        views = pipelines_vs_ideal(measured)
     except ValueError as e:
         raise RanksError(f"Cannot draw the ideal timeline: {e} Build the schedule in a %%ranks cell of this "
                          f"pool (torch logs its name when it is built).") from None
-    ideal = fitted_ideal(measured, shape)
-    counts = measured.counts()
-    kinds = "".join(f", {sum(v for (s, k), v in counts.items() if k == kind)} {kind}"
-                    for kind in ("F", "B", "I", "W") if any(k == kind for (_, k) in counts))
-    print(f"[labkit] cell {pool.last_cell if cell is None else cell} timeline: {shape.schedule}, "
-          f"pp_size {shape.pp_size}, {shape.n_microbatches} microbatches{kinds}")
-    return plot_side_by_side(measured, ideal)
+    n = pool.last_cell if cell is None else cell
+    for part, _, summary in views:
+        counts = part.counts()
+        kinds = "".join(f", {sum(v for (s, k), v in counts.items() if k == kind)} {kind}"
+                        for kind in ("F", "B", "I", "W") if any(k == kind for (_, k) in counts))
+        which = (f" pipeline {summary['pipeline']} (ranks {', '.join(map(str, summary['ranks']))}):"
+                 if "pipeline" in summary else "")
+        print(f"[labkit] cell {n} timeline:{which} {summary['schedule']}, pp_size {summary['pp_size']}, "
+              f"{summary['n_microbatches']} microbatches{kinds}")
+    return plot_pipelines(views)
 
 
 @magics_class

@@ -306,7 +306,9 @@ class Ranks:
 
     def timeline(self, cell: int | None = None):
         """The measured `Timeline` of a cell (the last by default): its spans (both ends of every action
-        measured in the ranks), or, for a cell without spans, its PP logs with the waits taken out."""
+        measured in the ranks), or, for a cell without spans, its PP logs with the waits taken out.
+        Every rank's actions; when the ranks formed several pipelines (pp x dp), `tl.pipelines` lists
+        them (from the groups the ranks' stages were built on) and `tl.split_pipelines()` splits it."""
         from ..compare import load_timeline
 
         from ..spans.paths import span_files
@@ -329,10 +331,11 @@ class Ranks:
 
     def idle(self, cell: int | None = None):
         """Where the cell's last step's idle time went, by cause and per gap, from its spans
-        (`labkit.spans.explain_idle_spans`; `.text()` says it in words)."""
-        from ..spans import explain_idle_spans
+        (`labkit.spans.explain_idle_spans`; `.text()` says it in words). When the ranks formed several
+        pipelines (a (pp, dp) mesh): one report per pipeline (`labkit.spans.idle.IdleByPipeline`)."""
+        from ..spans import explain_idle_by_pipeline
 
-        return explain_idle_spans(self.cell_dir(cell))
+        return explain_idle_by_pipeline(self.cell_dir(cell))
 
     def status(self) -> dict:
         """Per-rank pid / alive / busy, the run directory, cells run and restarts."""

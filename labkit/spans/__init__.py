@@ -14,7 +14,7 @@ Taught in notebook 06.
 from .paths import BOOT_DIR, SPANS_DIR_VAR, span_files
 
 __all__ = ["BOOT_DIR", "SPANS_DIR_VAR", "span_files", "read_spans", "timeline_from_spans", "explain_idle_spans",
-           "has_spans"]
+           "explain_idle_by_pipeline", "has_spans"]
 
 
 def __getattr__(name):  # the readers import labkit.timeline; keep `import labkit.spans` light for the launcher
@@ -22,8 +22,8 @@ def __getattr__(name):  # the readers import labkit.timeline; keep `import labki
         from . import read
 
         return getattr(read, name)
-    if name == "explain_idle_spans":
-        from .idle import explain_idle_spans
+    if name in ("explain_idle_spans", "explain_idle_by_pipeline"):
+        from . import idle
 
-        return explain_idle_spans
+        return getattr(idle, name)
     raise AttributeError(name)

@@ -17,24 +17,29 @@ The causes add up to the spans' idle time exactly (the bubble). Taught in notebo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..logs.gaps import CAUSES, IdleReport, _covered
 from ..timeline import COMPUTE_KINDS
-from .read import Span, read_spans, select_step
+from .read import Span, read_spans, recorded_pipelines, select_step
 
-__all__ = ["explain_idle_spans"]
+__all__ = ["explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
 
 COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
 
 
 def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | None = None,
-                       ranks_per_machine: int | None = None) -> IdleReport:
+                       ranks_per_machine: int | None = None, ranks=None) -> IdleReport:
     """Every rank's idle time in one step (`which`: last by default), by cause, with each gap listed
-    (`report.gap_list[rank]`: start, end and seconds per cause, times from the step's start)."""
+    (`report.gap_list[rank]`: start, end and seconds per cause, times from the step's start).
+    `ranks`: only these ranks (one pipeline of several: `explain_idle_by_pipeline`)."""
     if isinstance(spans_or_path, list):
         spans = spans_or_path
     else:
         spans, _ = read_spans(spans_or_path)
     spans = select_step(spans, which)
+    if ranks is not None:
+        spans = [s for s in spans if s.rank in set(ranks)]
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
     report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans")
     if not comp:
@@ -74,3 +79,44 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]], lo: flo
     in practice; kept so that the causes never count a moment twice)."""
     both = [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b if min(x1, y1) > max(x0, y0)]
     return _covered(both, lo, hi)
+
+
+@dataclass
+class IdleByPipeline:
+    """The idle reports of a step whose ranks formed several pipelines (pp x dp): one `IdleReport`
+    per pipeline, each over its own ranks and its own makespan (a replica's bubble is its own)."""
+
+    pipelines: list[list[int]]
+    reports: list[IdleReport]
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+    def __getitem__(self, i: int) -> IdleReport:
+        return self.reports[i]
+
+    def __iter__(self):
+        return iter(self.reports)
+
+    def text(self) -> str:
+        parts = [f"{len(self.reports)} pipelines (replicas), each over its own step:"]
+        for i, (ranks, rep) in enumerate(zip(self.pipelines, self.reports)):
+            parts.append(f"pipeline {i} (ranks {', '.join(map(str, ranks))}): " + rep.text())
+        return "\n".join(parts)
+
+
+def explain_idle_by_pipeline(spans_or_path, which: str | int = "last", cores: int | None = None,
+                             ranks_per_machine: int | None = None) -> IdleReport | IdleByPipeline:
+    """`explain_idle_spans` per pipeline: an `IdleByPipeline` when the ranks recorded several
+    pipelines (their stages' process groups, `labkit.spans.record`), else the one `IdleReport`.
+    What `pool.idle()` and `labkit timeline --idle` give. Notebook 12."""
+    if isinstance(spans_or_path, list):
+        spans, meta = spans_or_path, {}
+    else:
+        spans, meta = read_spans(spans_or_path)
+    step = select_step(spans, which)
+    pipelines = recorded_pipelines(step, meta)
+    if not pipelines or len(pipelines) < 2:
+        return explain_idle_spans(step, "all", cores, ranks_per_machine)
+    return IdleByPipeline(pipelines, [explain_idle_spans(step, "all", cores, ranks_per_machine, ranks=p)
+                                      for p in pipelines])

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..timeline import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
-__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind"]
+__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "recorded_pipelines"]
 
 
 class Span(NamedTuple):
@@ -54,6 +54,8 @@ def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
                 continue
             if "begin_step" in row:
                 meta.setdefault(rank, {}).setdefault("schedules", {})[int(row["begin_step"])] = row.get("schedule", "")
+                if row.get("pipeline"):  # the ranks of this rank's pipeline in that step (its stage's group)
+                    meta[rank].setdefault("pipelines", {})[int(row["begin_step"])] = row["pipeline"]
                 continue
             spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
                               int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", "")))
@@ -78,6 +80,21 @@ def select_step(spans: list[Span], which: str | int = "all") -> list[Span]:
         k = steps[-1] if which == "last" else steps[0] if which == "first" else int(which)
         out += [s for s in mine if s.step == k]
     return out
+
+
+def recorded_pipelines(spans: list[Span], meta: dict[int, dict]) -> list[list[int]] | None:
+    """The pipelines the ranks of `spans` formed (`labkit.timeline.group_pipelines` over the group each
+    rank recorded for its last step among `spans`), or None when no rank recorded one (spans from
+    before the kit recorded it)."""
+    from ..timeline import group_pipelines
+
+    groups = {}
+    for rank in sorted({s.rank for s in spans}):
+        recorded = meta.get(rank, {}).get("pipelines", {})
+        steps = [k for k in sorted({s.step for s in spans if s.rank == rank}) if k in recorded]
+        if steps:
+            groups[rank] = recorded[steps[-1]]
+    return group_pipelines(groups) if groups else None
 
 
 def timeline_from_spans(path, which: str | int = "all") -> Timeline:
@@ -106,6 +123,9 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
         "clock": clocks[0] if len(clocks) == 1 else clocks, "torch": next((m.get("torch") for m in meta.values()), None),
         "files": [str(f) for f in span_files(path).values()],
         "starts": "measured: both ends of every action (labkit.spans)"})
+    pipelines = recorded_pipelines(spans, meta)
+    if pipelines and len(pipelines) > 1:  # several pipelines (pp x dp, pp x dp x tp): Timeline.split_pipelines
+        tl.meta["pipelines"] = pipelines
     return tl
 
 

@@ -59,6 +59,7 @@ class Recorder:
         self.device = None             # torch.device of the stages seen (cuda: events)
         self.meta_written: set[Path] = set()
         self.schedule = ""              # the class of the schedule whose step is running
+        self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -111,6 +112,7 @@ class Recorder:
         self.step += 1
         self.tags.clear()
         self.cuda = None
+        pipeline, self.pipeline = self.pipeline, None
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,10 @@ class Recorder:
             if self.path not in self.meta_written:
                 self.meta_written.add(self.path)
                 f.write(json.dumps({"meta": self.meta()}) + "\n")
-            f.write(json.dumps({"begin_step": step, "schedule": self.schedule}) + "\n")
+            begin = {"begin_step": step, "schedule": self.schedule}
+            if pipeline:  # which ranks form this rank's pipeline (labkit.timeline.group_pipelines)
+                begin["pipeline"] = pipeline
+            f.write(json.dumps(begin) + "\n")
             for kind, stage, mb, s, e, what in rows:
                 row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
                        "start": round(s, 7), "end": round(e, 7)}
@@ -234,12 +239,33 @@ def _compute_wrapper(inner, kind_of):
             return inner(self, chunk_id, *args, **kwargs)
         if rec.device is None:
             rec.device = getattr(self, "device", None)
+        if rec.pipeline is None:
+            rec.pipeline = _pipeline_of(self)
         start = rec.now()
         out = inner(self, chunk_id, *args, **kwargs)
         rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, rec.now())
         return out
 
     return _as(inner, wrapper)
+
+
+def _pipeline_of(stage) -> list[int]:
+    """The global ranks of the stage's process group, in group-rank order: the ranks of its pipeline
+    (a pipeline inside a (pp, dp, tp) mesh is built on `mesh["pp"]`'s group). Read once per stage."""
+    ranks = getattr(stage, "_labkit_pipeline", None)
+    if ranks is None:
+        import torch.distributed as dist
+
+        try:
+            group = getattr(stage, "group", None)
+            ranks = [int(r) for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)]
+        except Exception:  # no process group (a stage driven by hand): record nothing rather than guess
+            ranks = []
+        try:
+            stage._labkit_pipeline = ranks
+        except AttributeError:
+            pass
+    return ranks
 
 
 def _op_wrapper(inner, kind: str, applies, stage_of):
