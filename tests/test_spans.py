@@ -100,7 +100,8 @@ def test_idle_causes_are_measured_per_gap_and_add_up_to_the_bubble():
     assert c0["fill / drain"] == pytest.approx(0.0)
     assert c1["fill / drain"] == pytest.approx(1.2 + 0.3)  # before its first action, after its last
     assert rep.gap_list[0] == [pytest.approx({"start": 1.0, "end": 1.8, "before": "0B0", "waiting for a neighbour": 0.5,
-                                              "sends and receives": 0.1, "runtime overhead": 0.2})]
+                                              "sends and receives": 0.1, "instrument overhead": 0.0,
+                                              "runtime overhead": 0.2})]
     tl_idle = {0: 3.0 - 2.2, 1: 3.0 - 1.5}
     for r in (0, 1):
         assert sum(rep.idle[r].values()) == pytest.approx(tl_idle[r])  # the causes add up to the idle time
@@ -150,6 +151,10 @@ def test_spans_and_the_profiler_agree_on_the_same_run(schedule, runs):
     assert abs(b_spans - b_prof) <= 0.03
     j = json.loads(subprocess.run(labkit_cli("timeline", str(out), "--json"), capture_output=True, text=True).stdout)
     assert j["source"] == "spans"
+    own = j["meta"]["instrument_overhead"]  # the kit's wrappers, measured in each rank: more than nothing, less than the step
+    assert set(own) == {"0", "1"}
+    for o in own.values():
+        assert o["steps"] == 3 and o["calls"] > 0 and 0 < o["seconds"] < o["step_s"] and 0 < o["share"] < 1, own
     j = json.loads(subprocess.run(labkit_cli("timeline", str(out), "--json", "--source", "logs"),
                                   capture_output=True, text=True).stdout)
     assert j["source"] == "logs" and "inferred" in j["meta"]["starts"]
@@ -201,8 +206,14 @@ def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
     assert rep.idle[1]["runtime overhead"] >= 4 * 0.02 * 0.9, rep.idle[1]
     assert rep.idle[0]["runtime overhead"] < 0.02, rep.idle[0]           # rank 0 has no such pause ...
     assert rep.idle[0]["waiting for a neighbour"] >= 3 * 0.02 * 0.9       # ... it waits for rank 1's gradients
+    # ... and the sleep is the runtime's, not the kit's: the kit's wrappers, measured apart, are far less
+    assert 0 < rep.idle[1]["instrument overhead"] < rep.idle[1]["runtime overhead"] / 10, rep.idle[1]
     for rank, causes in rep.idle.items():
         assert sum(causes.values()) == pytest.approx(rep.makespan - tl_busy(out, rank), abs=1e-6)
+    own = tl.meta["instrument_overhead"]
+    assert all(0 < own[r]["seconds"] < own[r]["step_s"] and own[r]["steps"] == 2 for r in ("0", "1")), own
+    idle = subprocess.run(labkit_cli("timeline", str(out), "--idle"), capture_output=True, text=True)
+    assert idle.returncode == 0 and "instrument overhead" in idle.stdout, idle.stdout + idle.stderr
 
 
 def tl_busy(out, rank):

@@ -42,6 +42,8 @@ class IdleReport:
     source: str = "logs"
     cores: int | None = None
     ranks_per_machine: int | None = None
+    causes: tuple = CAUSES
+    """The causes this report splits idle time into (spans add "instrument overhead": `labkit.spans.idle`)."""
 
     def share(self, rank: int, cause: str | None = None) -> float:
         """Idle share of the makespan for `rank` (one cause, or all)."""
@@ -58,7 +60,7 @@ class IdleReport:
     def text(self) -> str:
         measured = " (measured from spans)" if self.source == "spans" else ""
         lines = [f"idle {self.total():.1%} of ranks x makespan{measured}; per cause, share of the step:"]
-        for cause in CAUSES:
+        for cause in self.causes:
             lines.append(f"  {cause:24s} {self.total(cause):6.1%}   per rank: "
                          + ", ".join(f"{r}: {self.share(r, cause):.1%}" for r in sorted(self.idle)))
         overhead = sum(c["runtime overhead"] for c in self.idle.values())
@@ -66,6 +68,9 @@ class IdleReport:
         if n_gaps:
             lines.append(f"  runtime overhead: {1000 * overhead / n_gaps:.2f} ms per gap between two actions "
                          f"({n_gaps} gaps)")
+            if "instrument overhead" in self.causes:  # spans: the kit's wrappers, measured apart from the runtime
+                own = sum(c["instrument overhead"] for c in self.idle.values())
+                lines.append(f"  instrument overhead (the kit's own wrappers): {1000 * own / n_gaps:.3f} ms per gap")
         if self.cores is not None and self.ranks_per_machine is not None and self.ranks_per_machine > self.cores:
             lines.append(f"  {self.ranks_per_machine} ranks shared {self.cores} cores: part of every cause above is "
                          f"waiting for a core")

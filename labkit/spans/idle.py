@@ -1,13 +1,18 @@
 """Where a step's idle time went, measured from spans: every gap of every rank, by cause.
 
 A rank is idle whenever none of its compute spans covers the moment. Each idle moment gets one cause
-(`labkit.logs.gaps.CAUSES`, the same four the log-based reading uses), here from measurements:
+(`SPAN_CAUSES`: the four of the log-based reading, `labkit.logs.gaps.CAUSES`, and the kit's own),
+here from measurements:
 
 - **fill / drain**: before the rank's first compute of the step or after its last;
 - **waiting for a neighbour**: inside a WAIT span for a receive (torch waiting for an activation or
   a gradient that another rank had not sent yet);
 - **sends and receives**: inside a SEND / RECV span (posting them), a WAIT for sends only, or FSDP2's
   collectives under pipelining (UNSHARD: all-gather, RESHARD, REDUCE_GRAD: reduce-scatter);
+- **instrument overhead**: the kit's own wrappers (`labkit.spans.record`): each one's time around
+  torch's call, measured by the wrapper itself on entry and exit, where it falls in a gap between two
+  actions (before a rank's first action and after its last, the step's bookkeeping is fill / drain:
+  the rank has nothing of its own to run then; `instrument_overhead` of the timeline counts it all);
 - **runtime overhead**: the rest: time between two actions that is neither a wait nor a transfer
   (the schedule's Python, the loss on the last stage, bookkeeping, and on a machine with fewer cores
   than ranks, waiting for a core).
@@ -23,9 +28,11 @@ from ..logs.gaps import CAUSES, IdleReport, _covered
 from ..timeline import COMPUTE_KINDS
 from .read import Span, read_spans, recorded_pipelines, select_step
 
-__all__ = ["explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
+__all__ = ["SPAN_CAUSES", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
 
 COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
+INSTRUMENT = "instrument overhead"
+SPAN_CAUSES = (*CAUSES[:-1], INSTRUMENT, CAUSES[-1])  # the kit's own before the runtime's (the rest)
 
 
 def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | None = None,
@@ -41,7 +48,8 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
     if ranks is not None:
         spans = [s for s in spans if s.rank in set(ranks)]
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
-    report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans")
+    report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans",
+                        causes=SPAN_CAUSES)
     if not comp:
         return report
     start, end = min(s.start for s in comp), max(s.end for s in comp)
@@ -51,7 +59,8 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
         waits = [(s.start, s.end) for s in spans if s.rank == rank and s.kind == "WAIT" and s.what in ("recv", "both")]
         comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in COLLECTIVE_KINDS or
                                                                          (s.kind == "WAIT" and s.what not in ("recv", "both")))]
-        causes = dict.fromkeys(CAUSES, 0.0)
+        kit = [piece for s in spans if s.rank == rank for piece in s.own()]
+        causes = dict.fromkeys(SPAN_CAUSES, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))
         gaps = []
         busy_until = mine[0].end
@@ -62,11 +71,12 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
                 continue
             wait = _covered(waits, g0, g1)
             in_comm = _covered(comm, g0, g1) - _overlap(waits, comm, g0, g1)
+            own = _covered(waits + comm + kit, g0, g1) - (wait + in_comm)  # none of it inside a wait or a post
             gap = {"start": g0 - start, "end": g1 - start, "before": f"{s.stage}{s.kind}{s.mb}",
-                   "waiting for a neighbour": wait, "sends and receives": in_comm,
-                   "runtime overhead": (g1 - g0) - wait - in_comm}
+                   "waiting for a neighbour": wait, "sends and receives": in_comm, INSTRUMENT: own,
+                   "runtime overhead": (g1 - g0) - wait - in_comm - own}
             gaps.append(gap)
-            for cause in CAUSES[1:]:
+            for cause in SPAN_CAUSES[1:]:
                 causes[cause] += gap[cause]
         report.idle[rank] = causes
         report.gaps[rank] = len(gaps)

@@ -4,7 +4,9 @@ A spans file (`labkit.spans.record`) holds one JSON line per span: compute (F, B
 microbatch), posting sends / receives (SEND, RECV) and waiting for them (WAIT, with `what`:
 recv, send or both), numbered by step, on one clock per machine (device time on CUDA). On the
 timeline, a WAIT is drawn as the transfer it waited for (RECV when it waited for a receive, else
-SEND); `labkit.spans.idle` reads the raw spans to say where idle time went.
+SEND); `labkit.spans.idle` reads the raw spans to say where idle time went. The kit's own time
+around each span (`pre`, `post`, `kit`) and each step's `end_step` line give `instrument_overhead`
+(`meta["instrument_overhead"]` of the timeline: what `labkit timeline --json` prints per rank).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 from ..timeline import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
-__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "recorded_pipelines"]
+__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead", "recorded_pipelines"]
 
 
 class Span(NamedTuple):
@@ -28,6 +30,18 @@ class Span(NamedTuple):
     start: float
     end: float
     what: str = ""  # WAIT / SEND / RECV: recv, send or both
+    pre: float = 0.0   # seconds the kit's wrapper ran before `start` (host clock; 0 when not recorded)
+    post: float = 0.0  # ... and after `end`
+    kit: tuple = ()    # other pieces of the kit's own code just before this span: ((start, end), ...)
+
+    def own(self) -> list[tuple[float, float]]:
+        """The kit's own intervals around this span (`labkit.spans.record`: measured, host clock)."""
+        out = [(a, b) for a, b in self.kit]
+        if self.pre > 0:
+            out.append((self.start - self.pre, self.start))
+        if self.post > 0:
+            out.append((self.end, self.end + self.post))
+        return out
 
 
 def has_spans(path) -> bool:
@@ -52,13 +66,18 @@ def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
             if "meta" in row:
                 meta[rank] = row["meta"]
                 continue
+            if "end_step" in row:  # the step's wall time and the kit's own seconds in it (measured)
+                meta.setdefault(rank, {}).setdefault("instrument", {})[int(row["end_step"])] = row
+                continue
             if "begin_step" in row:
                 meta.setdefault(rank, {}).setdefault("schedules", {})[int(row["begin_step"])] = row.get("schedule", "")
                 if row.get("pipeline"):  # the ranks of this rank's pipeline in that step (its stage's group)
                     meta[rank].setdefault("pipelines", {})[int(row["begin_step"])] = row["pipeline"]
                 continue
             spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
-                              int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", "")))
+                              int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", ""),
+                              float(row.get("pre", 0.0)), float(row.get("post", 0.0)),
+                              tuple((float(a), float(b)) for a, b in row.get("kit", ()))))
     spans.sort(key=lambda s: (s.rank, s.start, s.end))
     return spans, meta
 
@@ -97,6 +116,26 @@ def recorded_pipelines(spans: list[Span], meta: dict[int, dict]) -> list[list[in
     return group_pipelines(groups) if groups else None
 
 
+def instrument_overhead(spans: list[Span], meta: dict[int, dict]) -> dict[str, dict]:
+    """Per rank (str keys, as in JSON), the kit's own time in the steps of `spans`, as each rank
+    measured it (`labkit.spans.record`, the `end_step` lines): `seconds` (its wrappers around torch's
+    calls plus the step's bookkeeping), `share` of `step_s` (the steps' wall time as the caller of
+    `step()` saw it), and the parts. Ranks whose spans predate the measurement are left out."""
+    out = {}
+    for rank in sorted({s.rank for s in spans}):
+        rows = meta.get(rank, {}).get("instrument", {})
+        mine = [rows[k] for k in sorted({s.step for s in spans if s.rank == rank}) if k in rows]
+        if not mine:
+            continue
+        kit, wall = sum(r["kit"] for r in mine), sum(r["wall"] for r in mine)
+        out[str(rank)] = {"seconds": round(kit, 9), "share": round(kit / wall, 6) if wall > 0 else 0.0,
+                          "step_s": round(wall, 9), "steps": len(mine),
+                          "wrappers_s": round(sum(r["wrappers"] for r in mine), 9),
+                          "bookkeeping_s": round(sum(r["bookkeeping"] for r in mine), 9),
+                          "calls": sum(r["calls"] for r in mine)}
+    return out
+
+
 def timeline_from_spans(path, which: str | int = "all") -> Timeline:
     """The measured timeline of a run directory, a live-ranks cell directory, or spans files."""
     spans, meta = read_spans(path)
@@ -123,6 +162,9 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
         "clock": clocks[0] if len(clocks) == 1 else clocks, "torch": next((m.get("torch") for m in meta.values()), None),
         "files": [str(f) for f in span_files(path).values()],
         "starts": "measured: both ends of every action (labkit.spans)"})
+    own = instrument_overhead(spans, meta)
+    if own:  # the kit's share of each rank's steps, measured in the rank
+        tl.meta["instrument_overhead"] = own
     pipelines = recorded_pipelines(spans, meta)
     if pipelines and len(pipelines) > 1:  # several pipelines (pp x dp, pp x dp x tp): Timeline.split_pipelines
         tl.meta["pipelines"] = pipelines

@@ -24,6 +24,17 @@ and read after the step (one synchronize per step); they are placed on the host 
 event recorded right after a synchronize at the step's start: device times, not the host's enqueue
 times. Cost on CPU: two clock reads and one list append per action (bench: at most 1.03x per step).
 
+The kit's own share, measured (not estimated): each wrapper also reads the host clock on entry and
+on exit, so the time it spends around torch's call is known: `pre` (entry to the span's start) and
+`post` (the span's end to exit) on each span's line; a wrapped call that makes no span (an empty
+post, a wait for nothing, torch's gradient scaling without FSDP) gives its two pieces as intervals
+(`kit`) on the line of the span that follows it. The step wrapper adds its bookkeeping (its entry to
+the inner step, and the step's return to the spans written). A step ends with one line,
+`{"end_step": k, "wall": ..., "kit": ..., ...}`: the step's wall time as its caller saw it and the
+kit's seconds in it. `labkit.spans.read` gives them per rank as `instrument_overhead`;
+`labkit.spans.idle` counts the pieces inside a gap between two actions as their own cause
+("instrument overhead"), apart from the runtime's.
+
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
 directly. Read back by `labkit.spans.read`. Taught in notebook 06.
@@ -59,6 +70,9 @@ class Recorder:
         self.device = None             # torch.device of the stages seen (cuda: events)
         self.meta_written: set[Path] = set()
         self.schedule = ""              # the class of the schedule whose step is running
+        self.kit = 0.0                 # this step's seconds in the kit's wrappers (host clock), measured
+        self.calls = 0                 # wrapped calls this step
+        self.loose: list[list[float]] = []  # host intervals of the kit's code in calls without a span
         self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
 
     # ---- clocks
@@ -86,8 +100,24 @@ class Recorder:
             return ev
         return _clock()
 
-    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "") -> None:
-        self.buf.append([kind, stage, mb, start, end, what])
+    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "") -> list:
+        row = [kind, stage, mb, start, end, what, 0.0, 0.0, ()]  # + the kit's own: pre, post, loose pieces
+        if self.loose:
+            row[8], self.loose = self.loose, []
+        self.buf.append(row)
+        return row
+
+    def own(self, row: list | None, t_in: float, t_call: float, t_back: float, t_out: float) -> None:
+        """A wrapped call's own time, host clock: its entry `t_in` to torch's call `t_call`, and that
+        call's return `t_back` to its exit `t_out`. With a span (`row`) the two pieces are its pre and
+        post; without one (inside a step) they go on the next span's line."""
+        pre, post = t_call - t_in, t_out - t_back
+        self.kit += pre + post
+        self.calls += 1
+        if row is not None:
+            row[6], row[7] = pre, post
+        elif self.depth:
+            self.loose += ([t_in, t_call], [t_back, t_out])
 
     # ---- steps
     def begin_step(self, schedule: str = "") -> None:
@@ -97,16 +127,23 @@ class Recorder:
         if self.depth == 1 and self._on_cuda():
             self._base()
 
-    def end_step(self) -> None:
+    def end_step(self, times: tuple[float, float, float] | None = None) -> None:
+        """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock)."""
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
-            self.flush()
+            self.flush(times)
 
-    def flush(self) -> None:
-        """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step."""
+    def flush(self, times: tuple[float, float, float] | None = None) -> None:
+        """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
+        step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it."""
+        kit, calls, loose = self.kit, self.calls, self.loose
+        self.kit, self.calls, self.loose = 0.0, 0, []
         if not self.buf:
             self.tags.clear()
             return
+        if loose:  # after the step's last span: on its line
+            self.buf[-1][8] = [*self.buf[-1][8], *loose]
+        host = all(isinstance(x[3], float) for x in self.buf)  # the kit's pieces sit on host-clock spans only
         rows = self._resolve(self.buf)
         self.buf, step = [], self.step
         self.step += 1
@@ -124,12 +161,23 @@ class Recorder:
             if pipeline:  # which ranks form this rank's pipeline (labkit.timeline.group_pipelines)
                 begin["pipeline"] = pipeline
             f.write(json.dumps(begin) + "\n")
-            for kind, stage, mb, s, e, what in rows:
+            for kind, stage, mb, s, e, what, pre, post, pieces in rows:
                 row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
                        "start": round(s, 7), "end": round(e, 7)}
                 if what:
                     row["what"] = what
+                if host and (pre or post):
+                    row["pre"], row["post"] = round(pre, 9), round(post, 9)
+                if host and pieces:
+                    row["kit"] = [[round(a, 7), round(b, 7)] for a, b in pieces]
                 f.write(json.dumps(row) + "\n")
+            if times is not None:
+                f.flush()  # writing is the kit's too: measured up to the last line
+                t_in, t_call, t_back = times
+                now = _clock()
+                book = (t_call - t_in) + (now - t_back)
+                f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
+                                    "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls}) + "\n")
 
     def _resolve(self, buf: list[list]) -> list[list]:
         if not any(not isinstance(x[3], float) for x in buf):
@@ -139,11 +187,12 @@ class Recorder:
         torch.cuda.synchronize(self.device)
         t0, base = self.cuda if self.cuda is not None else (None, None)
         out = []
-        for kind, stage, mb, s, e, what in buf:
+        for kind, stage, mb, s, e, what, *own in buf:
             if isinstance(s, float):
-                out.append([kind, stage, mb, s, e, what])
+                out.append([kind, stage, mb, s, e, what, *own])
             else:
-                out.append([kind, stage, mb, t0 + base.elapsed_time(s) / 1e3, t0 + base.elapsed_time(e) / 1e3, what])
+                out.append([kind, stage, mb, t0 + base.elapsed_time(s) / 1e3, t0 + base.elapsed_time(e) / 1e3, what,
+                            *own])
         return out
 
     def meta(self) -> dict:
@@ -233,17 +282,28 @@ def _compute_wrapper(inner, kind_of):
     backward = inner.__name__ != "forward_one_chunk"
 
     def wrapper(self, chunk_id, *args, **kwargs):
+        t_in = _clock()
         rec = RECORDER
-        if rec is None or not rec.enabled or (backward and not getattr(self, "has_backward", True)):
-            # a forward-only step (loss_fn=None, eval): GPipe still calls the backward, which returns at once
+        if rec is None or not rec.enabled:
             return inner(self, chunk_id, *args, **kwargs)
+        if backward and not getattr(self, "has_backward", True):
+            # a forward-only step (loss_fn=None, eval): GPipe still calls the backward, which returns at once
+            t_call = _clock()
+            out = inner(self, chunk_id, *args, **kwargs)
+            t_back = _clock()
+            rec.own(None, t_in, t_call, t_back, _clock())
+            return out
         if rec.device is None:
             rec.device = getattr(self, "device", None)
         if rec.pipeline is None:
             rec.pipeline = _pipeline_of(self)
         start = rec.now()
+        t_call = start if start.__class__ is float else _clock()
         out = inner(self, chunk_id, *args, **kwargs)
-        rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, rec.now())
+        t_back = _clock() if t_call is not start else None
+        end = rec.now()
+        row = rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, end)
+        rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 
     return _as(inner, wrapper)
@@ -272,12 +332,23 @@ def _op_wrapper(inner, kind: str, applies, stage_of):
     """A call that is not compute (FSDP's REDUCE_GRAD, UNSHARD, RESHARD): a span of `kind` when
     `applies(self, recorder)`, in the row of stage `stage_of(self)` (-1: the next compute's)."""
     def wrapper(self, *args, **kwargs):
+        t_in = _clock()
         rec = RECORDER
-        if rec is None or not rec.enabled or not applies(self, rec):
+        if rec is None or not rec.enabled:
             return inner(self, *args, **kwargs)
+        if not applies(self, rec):
+            t_call = _clock()
+            out = inner(self, *args, **kwargs)
+            t_back = _clock()
+            rec.own(None, t_in, t_call, t_back, _clock())
+            return out
         start = rec.now()
+        t_call = start if start.__class__ is float else _clock()
         out = inner(self, *args, **kwargs)
-        rec.add(kind, stage_of(self), -1, start, rec.now())
+        t_back = _clock() if t_call is not start else None
+        end = rec.now()
+        row = rec.add(kind, stage_of(self), -1, start, end)
+        rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 
     return _as(inner, wrapper)
@@ -299,21 +370,26 @@ def _direction(ops) -> str:
 
 def _post_wrapper(inner):
     def wrapper(p2p_ops, *args, **kwargs):
+        t_in = _clock()
         rec = RECORDER
-        if rec is None or not rec.enabled or rec.p2p_depth:
+        if rec is None or not rec.enabled or rec.p2p_depth:  # nested: the outer call's span covers it
             return inner(p2p_ops, *args, **kwargs)
         rec.p2p_depth += 1
         try:
             start = rec.now()
+            t_call = start if start.__class__ is float else _clock()
             works = inner(p2p_ops, *args, **kwargs)
+            t_back = _clock() if t_call is not start else None
             end = rec.now()
         finally:
             rec.p2p_depth -= 1
+        row = None
         if p2p_ops:
             what = _direction(p2p_ops)
             for w in works or []:
                 rec.tags[id(w)] = what
-            rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what)
+            row = rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what)
+        rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return works
 
     return _as(inner, wrapper)
@@ -321,15 +397,26 @@ def _post_wrapper(inner):
 
 def _wait_wrapper(inner):
     def wrapper(works, *args, **kwargs):
+        t_in = _clock()
         rec = RECORDER
-        if rec is None or not rec.enabled or not works:
+        if rec is None or not rec.enabled:
             return inner(works, *args, **kwargs)
+        if not works:
+            t_call = _clock()
+            out = inner(works, *args, **kwargs)
+            t_back = _clock()
+            rec.own(None, t_in, t_call, t_back, _clock())
+            return out
         tags = {rec.tags.get(id(w), "?") for w in works}
         what = "both" if "both" in tags or {"send", "recv"} <= tags else ("recv" if "recv" in tags else
                                                                           ("send" if "send" in tags else "?"))
         start = rec.now()
+        t_call = start if start.__class__ is float else _clock()
         out = inner(works, *args, **kwargs)
-        rec.add("WAIT", -1, -1, start, rec.now(), what)
+        t_back = _clock() if t_call is not start else None
+        end = rec.now()
+        row = rec.add("WAIT", -1, -1, start, end, what)
+        rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 
     return _as(inner, wrapper)
@@ -337,13 +424,15 @@ def _wait_wrapper(inner):
 
 def _step_wrapper(inner):
     def wrapper(self, *args, **kwargs):
+        t_in = _clock()
         rec = RECORDER
         if rec is None:
             return inner(self, *args, **kwargs)
         rec.begin_step(type(self).__name__)
+        t_call = _clock()
         try:
             return inner(self, *args, **kwargs)
         finally:
-            rec.end_step()
+            rec.end_step((t_in, t_call, _clock()))
 
     return _as(inner, wrapper)
