@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import schedule_info
+from .config import ConfigError, schedule_info
 from .timeline import COMPUTE_KINDS, Action, Timeline
 
 SOURCES = ("auto", "spans", "logs", "profiler")
@@ -23,11 +23,14 @@ LOGS_NOTE = ("from torch's PP logs: GPipe and 1F1B log one line when an action E
 
 
 def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
-    """The measured timeline of a run directory, a live-ranks cell directory, or log files.
+    """The measured timeline of a run directory, a live-ranks cell directory, log files or profiler traces.
 
     `source`: `spans` (both ends of every action measured in the rank: `labkit.spans`), `logs`
-    (derived from torch's PP log lines), `profiler` (torch.profiler traces, `--profile`), or `auto`:
-    spans where the run has them, else profiler traces, else the logs. The timeline's `source`
+    (derived from torch's PP log lines), `profiler` (torch.profiler traces, `--profile`), or `auto`,
+    which decides by what `paths` hold: a directory gives its spans where the run has them, else its
+    profiler traces, else its logs; files are read as what their content is (`labkit.logs.sniff`:
+    a PP log in any format, plain or gzipped, or a Chrome trace), whatever their names, and anything
+    else is refused with one ConfigError saying what was expected. The timeline's `source`
     says which it is ("spans", "profiler", or "measured" for the logs, with `meta["starts"]` saying
     why its starts are inferred).
 
@@ -37,17 +40,25 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
     models trimming can err either way (notebook 06), which is why spans are the default.
     """
     from .logs.intervals import timeline_from_path
+    from .logs.sniff import EXPECTED
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if not isinstance(paths, (str, os.PathLike)):
-        paths = list(paths)  # read an iterator once: it is used again below
-    single = paths if isinstance(paths, (str, os.PathLike)) else (paths[0] if len(paths) == 1 else None)
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)  # an iterator is read once
+    if not paths:
+        raise ConfigError(f"No path given. {EXPECTED}")
+    for p in paths:
+        if not Path(p).exists():
+            raise FileNotFoundError(f"{p} does not exist: pass a run directory, its log files or a profiler trace.")
+    single = paths[0] if len(paths) == 1 else None
+    in_dir = single is not None and Path(single).is_dir()
+    if source == "auto" and not any(Path(p).is_dir() for p in paths):
+        return _files_by_content(paths, trim)
     if source in ("spans", "auto"):
         from .spans.paths import span_files
 
-        where = single if single is not None and Path(single).is_dir() else (Path(paths[0]).parent if paths else None)
-        if where is not None and span_files(where):
+        where = single if in_dir else Path(paths[0]).parent
+        if span_files(where):
             from .spans.read import timeline_from_spans
 
             return timeline_from_spans(where)
@@ -59,6 +70,44 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
 
         if profile_files(single) or source == "profiler":
             return timeline_from_profile(single)
+    if source == "auto" and in_dir:
+        from .logs.parse import log_files
+
+        if not log_files(single):
+            raise FileNotFoundError(f"{single} holds no spans (spans/rank<N>.jsonl), no profiler traces "
+                                    f"(profile/rank<N>.json) and no logs (logs/<id>/attempt_<n>/<rank>/stderr.log, "
+                                    f"*.log, *.txt). {EXPECTED}")
+    tl = timeline_from_path(paths, waits="trim" if trim else "fold")
+    tl.meta["starts"] = LOGS_NOTE
+    return tl
+
+
+def _files_by_content(paths: list, trim: bool) -> Timeline:
+    """`load_timeline(files, "auto")`: every file read as what it holds (`labkit.logs.sniff.file_kind`)."""
+    from .logs.intervals import timeline_from_path
+    from .logs.sniff import NO_PP_LINES, file_kind, not_readable
+
+    found = {str(p): file_kind(p) for p in paths}
+    kinds = {k for k, _ in found.values() if k}
+    for p, (kind, why) in found.items():
+        # beside other ranks' logs, a rank's log without pipelining lines is a rank that logged nothing
+        if kind is None and not (kinds == {"log"} and why in (NO_PP_LINES, "is empty")):
+            raise ConfigError(not_readable(p, why))
+    if len(kinds) > 1:
+        raise ConfigError("These files are of different kinds (" + "; ".join(
+            f"{p}: {why}" for p, (_, why) in found.items()) + "): pass log files, profiler traces or a run "
+            "directory, one kind at a time.")
+    kind = kinds.pop()
+    if kind == "trace":
+        from .logs.profiler import timeline_from_profile
+
+        return timeline_from_profile(paths[0] if len(paths) == 1 else paths)
+    if kind == "spans":
+        if len(paths) > 1:
+            raise ConfigError("Several spans files: pass the run or cell directory that holds them (its spans/ folder).")
+        from .spans.read import timeline_from_spans
+
+        return timeline_from_spans(paths[0])
     tl = timeline_from_path(paths, waits="trim" if trim else "fold")
     tl.meta["starts"] = LOGS_NOTE
     return tl

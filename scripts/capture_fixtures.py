@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 from labkit.config import RunConfig  # noqa: E402
 
-GZIP_ABOVE = 200_000  # bytes: bigger logs are stored gzipped (labkit.logs reads .gz)
+GZIP_ABOVE = 16_000  # bytes: bigger logs are stored gzipped (labkit.logs reads .gz); fixtures stay < 5 MB
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,11 @@ def plan() -> list[Capture]:
     # forward only (loss_fn=None): GPipe still logs "Backwarded microbatch" lines for backwards that never ran
     caps.append(Capture("inference_GPipe-p2-m4", "GPipe", 2, 4, inference=True))
     caps.append(Capture("inference_Interleaved1F1B-p2-m4", "Interleaved1F1B", 2, 4, inference=True))
-    # torch's default format, one interleaved stream
-    for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
-        caps.append(Capture(f"default_{s}-p2-m4", s, 2, 4, fmt="default"))
+    # torch's default format, one interleaved stream: what a plain `torchrun` run leaves in one file,
+    # for every schedule at 2 and 4 ranks (`labkit timeline FILE` must read each by its content)
+    for nproc, m in ((2, 4), (4, 8)):
+        for s in single + multi:
+            caps.append(Capture(f"default_{s}-p{nproc}-m{m}", s, nproc, m, fmt="default"))
     caps.append(Capture("default_tee_rank_1F1B-p2-m4", "1F1B", 2, 4, fmt="default", tee="rank"))
     caps.append(Capture("default_tee_default_Interleaved1F1B-p2-m4", "Interleaved1F1B", 2, 4, fmt="default",
                         tee="default"))
@@ -95,7 +97,7 @@ def _store(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if src.stat().st_size > GZIP_ABOVE:
         dst = dst.with_name(dst.name + ".gz")
-        with open(src, "rb") as f, gzip.open(dst, "wb", compresslevel=9, mtime=0) as g:
+        with open(src, "rb") as f, gzip.GzipFile(dst, "wb", compresslevel=9, mtime=0) as g:  # mtime 0: reproducible bytes
             shutil.copyfileobj(f, g)
     else:
         shutil.copyfile(src, dst)

@@ -367,7 +367,9 @@ def rank_from_path(path: str | os.PathLike) -> int | None:
 
 
 def _open_text(path: Path):
-    if path.suffix == ".gz":
+    with open(path, "rb") as f:  # gzip's magic bytes, not the name: a gzipped run.log is read too
+        gz = f.read(2) == b"\x1f\x8b"
+    if gz:
         return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
     return open(path, encoding="utf-8", errors="replace", newline="")
 

@@ -23,10 +23,13 @@ decoded as the logs' are (`labkit.logs.messages.decode_action`). Taught in noteb
 from __future__ import annotations
 
 import json
+import os
 import re
 from bisect import bisect_left
 from pathlib import Path
+from typing import Iterable
 
+from ..config import ConfigError
 from ..timeline import COMPUTE_KINDS, Action, Timeline
 from .messages import decode_action
 
@@ -38,10 +41,17 @@ _SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")
 _COMM = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ProfilerStep")
 
 
-def profile_files(path: str | Path) -> dict[int, Path]:
-    """{rank: trace} from a run directory (`profile/rank<N>.json`) or a single trace file."""
-    p = Path(path)
-    files = sorted(p.glob("profile/rank*.json")) if p.is_dir() else [p]
+def profile_files(path: str | Path | Iterable[str | Path]) -> dict[int, Path]:
+    """{rank: trace} from a run directory (`profile/rank<N>.json`), a trace file, or several: a file
+    counts when its content is a Chrome trace (`labkit.logs.sniff`), whatever its name; the rank
+    comes from the name (`rank1.json`), else the order."""
+    if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+        files = sorted(Path(path).glob("profile/rank*.json"))
+    else:
+        from .sniff import file_kind
+
+        given = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        files = [Path(f) for f in given if file_kind(f)[0] == "trace"]
     out = {}
     for f in files:
         m = re.search(r"rank(\d+)", f.name)
@@ -113,16 +123,30 @@ def actions_from_trace(trace: dict, rank: int, stage_of_rank: int | None = None)
     return actions
 
 
-def timeline_from_profile(path: str | Path) -> Timeline:
-    """The measured timeline of a run directory's profiler traces (or one trace file)."""
+def timeline_from_profile(path: str | Path | Iterable[str | Path]) -> Timeline:
+    """The measured timeline of a run directory's profiler traces (or trace files)."""
+    from .sniff import EXPECTED, file_kind, read_json
+
     files = profile_files(path)
+    one = path if isinstance(path, (str, os.PathLike)) else None
     if not files:
-        raise FileNotFoundError(f"No profiler traces in {path}: run with --profile (labkit run ... --profile).")
-    placement = _stage_placement(Path(path)) if Path(path).is_dir() else None
+        if one is not None and Path(one).is_dir():
+            raise FileNotFoundError(f"No profiler traces in {one}: run with --profile (labkit run ... --profile).")
+        for f in ([one] if one is not None else list(path)):
+            kind, why = file_kind(f)
+            if kind != "trace":
+                raise ConfigError(f"{f} is not a profiler trace: it {why if kind is None else 'is ' + why}. "
+                                  f"{EXPECTED} Pass --source auto (the default) to read a file as what it holds.")
+    placement = _stage_placement(Path(one)) if one is not None and Path(one).is_dir() else None
     acts: list[Action] = []
     for rank, f in files.items():
         stage = placement[rank][0] if placement and rank < len(placement) else None
-        acts += actions_from_trace(json.loads(f.read_text()), rank, stage)
+        try:
+            trace = read_json(f)
+        except ValueError as e:
+            raise ConfigError(f"{e}: a trace cut short (by a rank that died while writing it?) cannot be read; "
+                              f"profile the run again. {EXPECTED}") from None
+        acts += actions_from_trace(trace, rank, stage)
     # Only the first step: the reference script checks step 1 and later steps repeat it.
     return Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), source="profiler",
                     meta={"files": {str(r): str(f) for r, f in files.items()},
