@@ -293,14 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     t = sub.add_parser("timeline", help="a run's per-stage timeline: its spans (both ends of every action), "
                                         "else its PP logs or profiler traces")
-    t.add_argument("paths", nargs="+", help="a run directory, or log files (labkit or torch's default format)")
+    t.add_argument("paths", nargs="+", help="a run or cell directory, log files (the kit's or torch's default format, "
+                                            "plain or .gz, all ranks in one file or one per rank) or profiler traces: "
+                                            "read by what they hold, whatever their names")
     t.add_argument("--json", action="store_true", help="print actions and metrics as JSON")
     t.add_argument("--plot", default=None, help="save the measured timeline beside its fitted ideal (PNG)")
     t.add_argument("--perfetto", default=None, help="save a Chrome/Perfetto trace JSON (one pid per rank)")
     t.add_argument("--source", default="auto", choices=["auto", "spans", "logs", "profiler"],
                    help="spans (measured at both ends of every action; the default where the run has them), logs "
                         "(derived from torch's PP log lines: GPipe/1F1B starts are inferred), profiler (a run with "
-                        "--profile); auto: spans, else profiler, else logs")
+                        "--profile); auto: by what the paths hold (a directory: spans, else profiler, else logs)")
     t.add_argument("--idle", action="store_true", help="say where the last step's idle time went, by cause (spans)")
     th = sub.add_parser("theory", help="the ideal timeline of a schedule (simulated from its own action order)")
     th.add_argument("--schedule", required=True)
