@@ -77,6 +77,13 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
             raise FileNotFoundError(f"{single} holds no spans (spans/rank<N>.jsonl), no profiler traces "
                                     f"(profile/rank<N>.json) and no logs (logs/<id>/attempt_<n>/<rank>/stderr.log, "
                                     f"*.log, *.txt). {EXPECTED}")
+    if source == "logs" and not any(Path(p).is_dir() for p in paths):
+        from .logs.sniff import file_kind, not_readable
+
+        kinds = [(p, *file_kind(p)) for p in paths]
+        if not any(kind == "log" for _, kind, _ in kinds):  # --source logs on a trace: say so, not an empty timeline
+            p, kind, why = kinds[0]
+            raise ConfigError(not_readable(p, why if kind is None else f"is {why}, not a PP log"))
     tl = timeline_from_path(paths, waits="trim" if trim else "fold")
     tl.meta["starts"] = LOGS_NOTE
     return tl
