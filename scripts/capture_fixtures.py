@@ -172,10 +172,10 @@ here is hand-written: every log is what the ranks printed with `TORCH_LOGS=+pp`.
 `result.json` (what the reference script planned and checked), `capture.json` (how it was made) and
 either torchrun's per-rank `logs/run/attempt_0/<rank>/stderr.log` (labkit format, microsecond
 epoch stamps) or one interleaved `combined.log` (torch's default format, whole-millisecond local
-time, `[rankN]:` prefixes). Names are `[<variant>_]<Schedule>-p<ranks>-m<microbatches>`: a plain
+time, `[rankN]:` prefixes). Logs above 16 kB are stored gzipped (`.gz`), as labkit.logs reads them. Names are `[<variant>_]<Schedule>-p<ranks>-m<microbatches>`: a plain
 name is one training step in the kit's format; `default_` is torch's default format (`default_tee_`:
 through torchrun's `--tee` echo), `steps2_` two steps, `inference_` forward only. Used by
-`tests/test_pplog.py` and `tests/test_theory.py`.
+`tests/test_pplog.py`, `tests/test_theory.py` and `tests/test_timeline_cli.py` (`labkit timeline FILE`).
 
 | fixture | format | captured | size | command |
 |---|---|---|---|---|
