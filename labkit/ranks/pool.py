@@ -8,9 +8,13 @@
 Owns what a cell means across ranks: sending it, streaming its output, collecting each rank's
 result, and every way it can go wrong. One rank raising: `RanksError` with that rank's traceback,
 and every other rank keeps its namespace. Ranks left blocked by that failure (a send, recv or
-collective waiting for the failed rank, no answer within `PEER_GRACE_S`), a cell past its
-deadline, a rank that died: the error shows where each rank was (its Python stack) and the pool
-restarts, so namespaces are lost and the message says so. Jupyter's Stop (KeyboardInterrupt)
+collective waiting for the failed rank, no answer within `PEER_GRACE_S`), or stranded (still
+waiting there `STRANDED_S` after every other rank left the cell: a step() run on some ranks
+only), or past the cell's deadline while waiting there: the error shows where each rank was (its
+Python stack), and on gloo the pool releases them (every rank ends its connections of the process
+group, the waits fail, every rank joins a new group): namespaces are kept. A rank that died, a
+hang in Python or C code, or a release that fails: the pool restarts, namespaces are lost, and
+the message says so. Jupyter's Stop (KeyboardInterrupt)
 sends SIGINT to the ranks; KeyboardInterrupt is raised again once they stopped (or the pool was
 restarted because some would not). Every cell's code and per-rank PP logs are kept under
 `<run dir>/cells/<NNN>/`. Taught in notebook 01 (live ranks); notebook 00 introduces it.
@@ -37,6 +41,9 @@ from .output import CellOutput
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_RANKS_TIMEOUT", "120"))  # a cell's deadline
 START_TIMEOUT_S = 120.0
 PEER_GRACE_S = 3.0       # after one rank fails, how long the others get to finish before they count as blocked
+STRANDED_S = 3.0         # after the other ranks left a cell, how long one may wait in torch.distributed before it is stranded
+RELEASE_WAIT_S = 10.0    # after its gloo connections were ended, how long a blocked rank gets to leave the cell
+REGROUP_WAIT_S = 60.0    # ... and every rank to join the new process group
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long the ranks get to stop
 STACKS_WAIT_S = 1.5
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,6 +76,35 @@ def current():
 
 def _indent(text: str, pad: str = "    ") -> str:
     return "\n".join(pad + l for l in text.rstrip().splitlines())
+
+
+def _in_distributed(stack: str | None) -> bool:
+    """The innermost frame of a rank's stack (as `rank.main_stack` gives it) is torch.distributed's."""
+    files = [l for l in (stack or "").splitlines() if l.strip().startswith('File "')]
+    return bool(files) and "torch/distributed/" in files[-1].replace("\\", "/")
+
+
+def _pipeline_hint(facts: dict) -> str | None:
+    """The mistake that the failed ranks' schedules show side by side (`rank._schedule_facts`), or None."""
+    facts = {r: f for r, f in sorted(facts.items()) if f}
+    if len(facts) < 2:
+        return None
+    holders: dict[int, list[int]] = {}
+    for r, f in facts.items():
+        for index, _, _ in f["stages"]:
+            holders.setdefault(index, []).append(r)
+    hints = [f"stage {i} was built on {_names(rs)}: each rank must build its own stages (a wrong stage_index? "
+             f"With one stage per rank it is `rank`: PipelineStage(module, rank, world_size, device))."
+             for i, rs in sorted(holders.items()) if len(rs) > 1]
+    ms = {r: f["n_microbatches"] for r, f in facts.items()}
+    if len(set(ms.values())) > 1:
+        hints.append("the ranks' schedules were built with different n_microbatches ("
+                     + ", ".join(f"rank {r}: {m}" for r, m in ms.items())
+                     + "): every rank must build its schedule with the same n_microbatches.")
+    sizes = {r: {s[1] for s in f["stages"]} for r, f in facts.items()}
+    if len({frozenset(v) for v in sizes.values()}) > 1:
+        hints.append("the ranks' stages were built with different num_stages: every rank must pass the same one.")
+    return ("Likely mistake: " + " ".join(hints)) if hints else None
 
 
 def _names(ranks) -> str:
@@ -200,7 +236,7 @@ class Ranks:
                 for r in targets:
                     if not job.send(r, {"t": "exec", "cell": n, "code": code, "log": str(cell_dir / f"rank{r}.log")}):
                         cell.handle(r, None)
-                cell.pump(time.monotonic() + limit, lambda: not cell.busy or cell.failed())
+                self._pump_cell(cell, time.monotonic() + limit)
                 if cell.busy and cell.failed():  # the others get a grace to finish (or to show they are blocked)
                     cell.pump(time.monotonic() + PEER_GRACE_S, lambda: not cell.busy)
             except KeyboardInterrupt:
@@ -212,13 +248,43 @@ class Ranks:
                 print(cell.note, file=sys.stderr, flush=True)
         return self._conclude(cell, limit)
 
+    def _pump_cell(self, cell: Cell, deadline: float) -> None:
+        """Until every rank finished, one failed, or the deadline; or until the ranks still busy are
+        stranded: waiting in torch.distributed (a send, recv or collective) for STRANDED_S after every
+        other rank left the cell, so no rank can ever answer them in this cell (`cell.stranded`)."""
+        cell.stranded = False
+        while True:
+            cell.pump(min(deadline, max(cell.last_done + STRANDED_S, time.monotonic() + 0.5)),
+                      lambda: not cell.busy or cell.failed())
+            if not cell.busy or cell.failed() or time.monotonic() >= deadline:
+                return
+            left = cell.busy != set(cell.targets) or len(cell.targets) < self.nproc  # someone is out of the cell
+            if left and time.monotonic() - cell.last_done >= STRANDED_S and self._all_waiting(cell, twice=True):
+                cell.stranded = True
+                return
+
+    def _all_waiting(self, cell: Cell, twice: bool = False) -> bool:
+        """Every busy rank's innermost frame is in torch.distributed (a wait), twice in a row when asked."""
+        for attempt in range(2 if twice else 1):
+            cell.stacks = {}
+            stacks = self._stacks(cell, cell.busy)
+            if not stacks or not all(_in_distributed(t) for t in stacks.values()):
+                return False
+            if attempt == 0 and twice:
+                time.sleep(0.5)
+        return True
+
     def _conclude(self, cell: Cell, limit: float) -> dict:
         n = cell.n
         failed = {r: m["error"] for r, m in sorted(cell.failures.items())}
         parts = []
         if failed:
-            for r, tb in failed.items():
-                parts.append(f"Cell {n} failed on rank {r}:\n{_indent(tb)}")
+            same: dict[str, list[int]] = {}
+            for r, tb in failed.items():  # the same error on several ranks (check_step's refusal): shown once
+                same.setdefault(tb, []).append(r)
+            for tb, rs in same.items():
+                parts.append(f"Cell {n} failed on {_names(rs)}{' (the same error on each)' if len(rs) > 1 else ''}:"
+                             f"\n{_indent(tb)}")
         if cell.busy:
             blocked = self._stacks(cell, cell.busy)
             if blocked:
@@ -227,12 +293,31 @@ class Ranks:
                     parts.append(f"{_names(blocked).capitalize()} did not finish within {PEER_GRACE_S:g} s after "
                                  f"{who} failed: blocked, most likely in a send, recv or collective waiting for "
                                  f"{who}. Where each was:")
+                elif getattr(cell, "stranded", False):
+                    gone = sorted(set(range(self.nproc)) - set(blocked))
+                    parts.append(f"{_names(blocked).capitalize()} kept waiting in torch.distributed (a send, recv or "
+                                 f"collective) for {STRANDED_S:g} s after {_names(gone)} had left cell {n}: no rank "
+                                 f"could answer. A schedule's step() (or a collective) ran on some ranks only? "
+                                 f"Every rank of the pipeline must call schedule.step() in the same cell (the first "
+                                 f"stage with the inputs, the last with target= and losses=, the others with "
+                                 f"nothing), and every collective must be called on every rank of its group. "
+                                 f"Where each was:")
                 else:
                     parts.append(f"Cell {n} did not finish within its {limit:g} s deadline on {_names(blocked)}. "
                                  f"Where each rank was:")
                 parts += [f"  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(blocked.items())]
-                if not cell.failed():
+                if not cell.failed() and not getattr(cell, "stranded", False):
                     parts.append("If the cell is just slow, raise the deadline: exec(..., timeout=S) or %%ranks --timeout S.")
+                if not cell.dead and self._release(cell, blocked):
+                    hint = _pipeline_hint({r: m.get("pipeline") for r, m in cell.failures.items()})
+                    if hint:
+                        parts.insert(0, hint)
+                    parts.append(f"The pool released {_names(blocked)}: every rank ended its connections of the "
+                                 f"process group, so the wait failed with gloo's 'Connection closed' error, and "
+                                 f"the ranks joined a new process group. Every rank keeps its namespace; groups "
+                                 f"made from the old one (dist.new_group, a DeviceMesh, a stage built with group=) "
+                                 f"must be made again. Fix the cell and run it again.")
+                    raise RanksError("\n".join(parts), n, failed, blocked, False, dict(cell.results))
                 return self._restart_and_raise(cell, parts, failed, blocked)
         if cell.dead:
             first, *rest = cell.dead
@@ -242,6 +327,9 @@ class Ranks:
                 parts.append(f"Then {_names(rest)} ended too (torchrun ends a job when one of its ranks does).")
             return self._restart_and_raise(cell, parts, failed, {})
         if failed:
+            hint = _pipeline_hint({r: m.get("pipeline") for r, m in cell.failures.items()})
+            if hint:
+                parts.insert(0, hint)
             parts.append(f"The pool keeps running and every rank keeps its namespace (on the failed "
                          f"{_names(failed)}, what the cell did before the error stays done). Fix the cell and run it again.")
             raise RanksError("\n".join(parts), n, failed, {}, False, dict(cell.results))
@@ -255,6 +343,25 @@ class Ranks:
             cell.job.send(r, {"t": "stacks", "id": cell.n})
         cell.pump(time.monotonic() + STACKS_WAIT_S, lambda: all(r in cell.stacks or r not in cell.busy for r in ask))
         return {r: cell.stacks.get(r) or cell.job.faulthandler_stack(r) for r in ask if r in cell.busy}
+
+    def _release(self, cell: Cell, blocked: dict) -> bool:
+        """Free ranks blocked in a send, recv or collective without ending them (gloo only): every rank
+        ends its gloo connections (`rank.release_connections`), the waits fail, the cell ends on
+        every rank, and every rank joins a new process group (`rank.regroup`). False (the caller
+        restarts the pool) when a blocked rank was elsewhere, did not leave the cell, or a rank died."""
+        job = cell.job
+        if job.hello.get(0, {}).get("backend") != "gloo" or not all(_in_distributed(t) for t in blocked.values()):
+            return False  # nccl: no such release here; a rank in Python or C code is not waiting on a peer
+        for r in range(self.nproc):
+            job.send(r, {"t": "release", "id": cell.n})
+        cell.pump(time.monotonic() + RELEASE_WAIT_S, lambda: not cell.busy or bool(cell.dead))
+        if cell.busy or cell.dead:
+            return False
+        self.regroups = getattr(self, "regroups", 0) + 1
+        for r in range(self.nproc):
+            job.send(r, {"t": "regroup", "gen": self.regroups})
+        cell.pump(time.monotonic() + REGROUP_WAIT_S, lambda: len(cell.regrouped) == self.nproc or bool(cell.dead))
+        return len(cell.regrouped) == self.nproc and all(m.get("ok") for m in cell.regrouped.values())
 
     def _restart_and_raise(self, cell: Cell, parts: list[str], failed: dict, blocked: dict):
         try:

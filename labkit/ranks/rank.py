@@ -145,8 +145,83 @@ def _reader(link: Link, inbox: queue.Queue) -> None:
             os._exit(0)
         if msg.get("t") == "stacks":
             link.send({"t": "stacks", "id": msg.get("id"), "text": main_stack()})
+        elif msg.get("t") == "release":
+            link.send({"t": "released", "id": msg.get("id"), "closed": release_connections()})
         else:
             inbox.put(msg)
+
+
+def _schedule_facts(e: BaseException) -> dict | None:
+    """The schedule a failed cell was stepping (found in its traceback), as the kernel compares it
+    across ranks to name the mistake (the same stage_index on two ranks, different n_microbatches)."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except Exception:
+        return None
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, _PipelineSchedule):
+            found = obj
+        tb = tb.tb_next
+    if found is None:
+        return None
+    stages = getattr(found, "_stages", None) or [getattr(found, "_stage", None)]
+    try:
+        return {"schedule": type(found).__name__, "n_microbatches": getattr(found, "_n_microbatches", None),
+                "stages": [[int(s.stage_index), int(s.num_stages), str(s.device)] for s in stages if s is not None]}
+    except Exception:
+        return None
+
+
+def release_connections() -> int:
+    """End this rank's side of every gloo connection (its TCP sockets to the other ranks; the store's
+    stays): a send, recv or collective that waits on one then fails at once with gloo's "Connection
+    closed" error, in the main thread, so a cell stuck waiting for ranks that left it ends as an
+    ordinary exception and the namespace lives on. The process group is unusable afterwards:
+    `regroup` makes a new one. Called from the reader thread (the main thread may be blocked)."""
+    import socket
+
+    import psutil
+
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    me = psutil.Process()
+    conns = me.net_connections(kind="tcp") if hasattr(me, "net_connections") else me.connections(kind="tcp")
+    closed = 0
+    for c in conns:
+        if not c.raddr or c.fd < 0 or c.raddr.port == store_port or c.laddr.port == store_port:
+            continue  # listening sockets, and the store (the new group meets there)
+        try:
+            with socket.socket(fileno=os.dup(c.fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            closed += 1
+        except OSError:
+            pass
+    return closed
+
+
+def regroup(gen: int) -> dict:
+    """A new default process group (same ranks, same backend) after `release_connections`: met through
+    the job's store under a prefix of its own, so nothing of the old group's rendezvous is read again.
+    Groups made from the old one (new_group, a DeviceMesh) are gone and must be made again."""
+    import torch.distributed as dist
+
+    try:
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass  # a group whose connections were ended may refuse a clean teardown: it is dropped anyway
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"labkit_regroup_{gen}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        return {"t": "regrouped", "gen": gen, "ok": True}
+    except Exception as e:
+        return {"t": "regrouped", "gen": gen, "ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
 def _run_code(code: str, filename: str, ns: dict):
@@ -211,7 +286,7 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the rank lives on
             STATE.in_cell = False
             reply = {"t": "done", "cell": n, "ok": False, "error": _format_error(e), "exc_type": type(e).__name__,
-                     "interrupted": isinstance(e, KeyboardInterrupt)}
+                     "interrupted": isinstance(e, KeyboardInterrupt), "pipeline": _schedule_facts(e)}
     except KeyboardInterrupt:  # landed between the cell's end and the flag being cleared
         STATE.in_cell = False
         reply = {"t": "done", "cell": n, "ok": False, "error": "KeyboardInterrupt\n", "exc_type": "KeyboardInterrupt",
@@ -274,6 +349,8 @@ def main() -> None:
             msg = inbox.get()
             if msg.get("t") == "exec":
                 link.send(run_cell(msg, ns, link))
+            elif msg.get("t") == "regroup":
+                link.send(regroup(int(msg.get("gen", 0))))
         except KeyboardInterrupt:  # a late SIGINT between cells: nothing to stop
             continue
 
