@@ -2,49 +2,56 @@
 
 The zero-bubble authors (arXiv 2401.10241) split a backward into I (the input gradient, on the
 critical path) and W (the weight gradient, free to move) and schedule W into the bubbles, as long as
-memory allows: a microbatch's activations stay on a stage from its F until its W. `search` builds
-such an order by list scheduling, one stage per rank: whenever a rank is free it runs, in this order
-of preference,
+memory allows. `search` builds such an order in two passes, as the paper does (its heuristic, then
+its ILP):
 
-1. an I whose gradient has arrived (it unblocks the previous stage),
-2. an F whose input has arrived, if the stage holds fewer than `memory_limit` microbatches,
-3. a deferred W (it fills time the rank would otherwise idle, and frees memory),
+1. **List scheduling** (fast, the seed). Whenever a rank is free it runs, in this order of
+   preference: an I whose gradient has arrived (it unblocks the previous stage), an F whose input
+   has arrived if memory allows, a deferred W (it fills time the rank would otherwise idle, and
+   frees memory); otherwise it waits for the next arrival. Variants of the rule (how many W a rank
+   may defer, F before I, how many extra forwards in the warm-up) are all tried, beside handcrafted
+   orders: the paper's ZB-H1 and ZB-H2 (its Figure 3) and 1F1B with I and W back to back, or with
+   two stages per rank torch's ZBVZeroBubble and DualPipeV, each kept only if valid and within the
+   limit.
+2. **An exact model** (`labkit.theory.exact`, OR-Tools CP-SAT, optional: `pip install labkit[search]`)
+   with `time_limit > 0`: interval variables per action, dependencies with the link's latency, one
+   action at a time per rank, a cumulative memory limit per rank, warm-started from the best order of
+   pass 1. Anytime: it stops at the time limit with the best order found and the solver's proven
+   bound (`SearchResult.bound`; `gap` is how far the answer may still be from optimal).
 
-and otherwise waits for the next arrival. Variants of the rule (how many W a rank may defer, F
-before I, how many extra forwards in the warm-up) are all tried. Like the paper, which seeds its ILP
-with its heuristic, the search also starts from handcrafted orders (`handcrafted`): the paper's
-ZB-H1 and ZB-H2 (its Figure 3) and 1F1B with I and W back to back, each kept only if it is valid
-(`check_order`) and fits the limit (ZB-H1 and 1F1B hold p microbatches, ZB-H2 2p - 1). Every
-candidate is replayed by `labkit.theory.simulate_order` (the same simulator the ideal timelines use)
-and ranked by (period, makespan): the paper's own measure first, the longest rank's span (a step's
-time once steps overlap, what its bubble rate divides by), then the one-step makespan. Its result is
-compared with two lower bounds that hold for any order: no idle time at all, M(F+I+W), and one
-microbatch's whole forward and backward chain through the pipeline.
+Memory is counted as the paper counts it (its Section 3.1 and ILP): a microbatch's F holds its
+activations (1 unit per stage on one rank, 1/stages_per_rank with several stages per rank, so that the
+limit is always in "1F1B stage microbatches": 1F1B holds `pp_size` on rank 0); its I frees the part W
+does not need (1 - R), its W frees the rest (R). R is `weight_memory`: 1 (the default, the kit's
+historic count) holds everything until W; the paper's models hold R = M_W / M_B = 32h / (34h + 5as)
+(`labkit.theory.paper.weight_memory`).
 
-What it guarantees: every dependency holds and no stage ever holds more than `memory_limit`
-microbatches (checked on the result); its period is never longer than that of any seed that fits,
-so at any costs its bubble rate (the paper's) is at most ZB-H1's once K >= P and at most ZB-H2's
-once K >= 2P - 1 (tests/test_search.py checks this at the paper's settings). With F=I=W, no
-communication and M >= 2P - 1, ZB-H2's period is M(F+I+W) (the paper's Table 2: bubble
-(P-1)(F+I-2W) = 0), the least any order can have, so there the search's is too (P=4, M=8, unit
-costs, K=2P: period 24, and makespan 27, the lower bound; tested). What it does not: the order is
-not proven optimal (no ILP here), and the makespan, ranked second, may exceed a seed's when a
-shorter period is found (at P=4, M=8, unit costs, K=P it meets ZB-H1's M(F+I+W)+(P-1)(F+I-W) = 27,
-tested); `SearchResult.gap` says how far the makespan is from the lower bound. The order runs on
-torch's runtime as a CSV (`labkit.orders.order_csv`, torch's `_PipelineScheduleRuntime._load_csv`
-format), which adds the sends and receives itself.
+Objectives: "period" (the default, the paper's: the longest rank's span, first start to last end, a
+step's time once steps overlap, what its bubble rate divides by; ties go to the shorter makespan) or
+"makespan" (one isolated step). Both lower bounds hold for any order: no idle time at all, M(F+I+W)
+per stage, and one microbatch's whole chain through the pipeline.
+
+What it guarantees: every dependency holds and no rank ever holds more than `memory_limit` (checked
+on the result); its objective is never worse than any seed's that fits, so at any costs its bubble
+rate (the paper's) is at most ZB-H1's once K >= P and ZB-H2's once K >= 2P - 1 (tests). The order runs
+on torch's runtime as a CSV (`labkit.orders.order_csv`, torch's `_PipelineScheduleRuntime._load_csv`
+format), which adds the sends and receives itself. Taught in notebook 13.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, product
 
 from ..config import ConfigError
-from ..orders import PlannedAction, check_order, order_csv, peak_in_flight
+from ..orders import PlannedAction, check_order, normalize_order, order_csv
 from ..timeline import Timeline
 from .cost import Cost
 from .simulate import simulate_order
+
+OBJECTIVES = ("period", "makespan")
 
 
 @dataclass
@@ -55,36 +62,86 @@ class SearchResult:
     timeline: Timeline = field(repr=False)
     makespan: float
     bubble: float                 # idle share of ranks x makespan (bubble_fraction)
-    peak: dict[int, int]          # per stage, the most microbatches held at once
-    lower_bound: float
+    peak: dict[int, float]        # per rank (= stage with one stage per rank), the most memory held at once,
+                                  # in 1F1B stage microbatches, counted with weight_memory
+    lower_bound: float            # no order's makespan is shorter (closed form)
     period: float                 # the longest rank's span (first start to last end): a step's time once
                                   # steps overlap (zero-bubble's steady state, optimizer step post-validated)
-    memory_limit: int
-    rule: str                     # which variant of the rule gave it
+    memory_limit: float
+    rule: str                     # which variant of the rule (or seed, or solver) gave it
+    weight_memory: float = 1.0
+    stages_per_rank: int = 1
+    objective: str = "period"
+    bound: float | None = None    # proven lower bound on the objective (the solver's, else the closed form)
+    solver: dict | None = None    # what the exact model did (status, time, seed objective), if it ran
+
+    @property
+    def value(self) -> float:
+        """The objective's value: the period or the makespan."""
+        return self.period if self.objective == "period" else self.makespan
 
     @property
     def gap(self) -> float:
-        """How far above the lower bound: makespan / lower_bound - 1 (0 is provably optimal)."""
-        return self.makespan / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+        """How far above the proven bound: value / bound - 1 (0 is provably optimal)."""
+        b = self.bound if self.bound is not None else self.lower_bound
+        return max(0.0, self.value / b - 1) if b > 0 else 0.0
 
     def csv(self) -> str:
         return order_csv(self.order)
 
     def to_json(self) -> dict:
-        return {"makespan": self.makespan, "bubble": self.bubble, "period": self.period, "peak": {str(s): v for s, v in self.peak.items()},
-                "lower_bound": self.lower_bound, "gap": self.gap, "memory_limit": self.memory_limit,
-                "rule": self.rule, "order": {str(r): [f"{s}{k}{mb}" for k, s, mb in acts]
-                                             for r, acts in self.order.items()}}
+        return {"makespan": self.makespan, "bubble": self.bubble, "period": self.period,
+                "objective": self.objective, "value": self.value, "bound": self.bound, "gap": self.gap,
+                "peak": {str(s): round(v, 6) for s, v in self.peak.items()},
+                "lower_bound": self.lower_bound, "memory_limit": self.memory_limit,
+                "weight_memory": self.weight_memory, "stages_per_rank": self.stages_per_rank,
+                "rule": self.rule, "solver": self.solver,
+                "order": {str(r): [f"{s}{k}{mb}" for k, s, mb in acts] for r, acts in self.order.items()}}
 
 
-def lower_bound(pp_size: int, n_microbatches: int, cost: Cost) -> float:
-    """No order of P stages and M microbatches finishes one step sooner: the last stage has M(F+I+W)
+def placement(pp_size: int, stages_per_rank: int) -> list[list[int]]:
+    """Stages on each rank: one per rank, or torch's V with two (rank r holds r and 2P-1-r, as
+    ZBVZeroBubble and DualPipeV place them)."""
+    if stages_per_rank == 1:
+        return [[r] for r in range(pp_size)]
+    return [[r, 2 * pp_size - 1 - r] for r in range(pp_size)]
+
+
+def memory_peak(order, weight_memory: float = 1.0, stages_per_rank: int = 1) -> dict[int, float]:
+    """Per rank, the most activation memory held at once, walking its order, in 1F1B stage
+    microbatches: F holds 1/stages_per_rank, I frees (1 - weight_memory) of it, W the rest; a full B
+    frees all of it. With weight_memory=1 and one stage per rank this is `orders.peak_in_flight`."""
+    unit = 1.0 / stages_per_rank
+    delta = {"F": unit, "I": -(1 - weight_memory) * unit, "W": -weight_memory * unit, "B": -unit}
+    peak: dict[int, float] = {}
+    for rank, acts in normalize_order(order).items():
+        held = top = 0.0
+        for kind, _s, _mb in acts:
+            held += delta.get(kind, 0.0)
+            top = max(top, held)
+        peak[rank] = round(top, 9)
+    return peak
+
+
+def _hops(pp_size: int, stages_per_rank: int) -> int:
+    """Sends between consecutive stages (V: stages P-1 and P share a rank)."""
+    return pp_size - 1 if stages_per_rank == 1 else 2 * (pp_size - 1)
+
+
+def lower_bound(pp_size: int, n_microbatches: int, cost: Cost, stages_per_rank: int = 1) -> float:
+    """No order of P ranks and M microbatches finishes one step sooner: rank P-1 has M(F+I+W) per stage
     to compute and cannot start before microbatch 0's forward has crossed the P-1 stages before it;
-    nor can any order beat microbatch 0's own chain (P forwards, P input-gradients, a W, the sends)."""
-    f, i, w = cost.F, cost.input_grad, cost.weight_grad
-    last_stage = (pp_size - 1) * (f + cost.p2p) + n_microbatches * (f + i + w)
-    chain = pp_size * (f + i) + w + 2 * (pp_size - 1) * cost.p2p
-    return max(last_stage, chain)
+    nor can any order beat microbatch 0's own chain (every F, every I, a W, the sends)."""
+    f, i, w, c = cost.F, cost.input_grad, cost.weight_grad, cost.p2p
+    busy = stages_per_rank * n_microbatches * (f + i + w)
+    last_rank = (pp_size - 1) * (f + c) + busy
+    one_chain = pp_size * stages_per_rank * (f + i) + w + 2 * _hops(pp_size, stages_per_rank) * c
+    return max(last_rank, one_chain)
+
+
+def period_bound(pp_size: int, n_microbatches: int, cost: Cost, stages_per_rank: int = 1) -> float:
+    """No rank's span is shorter than its own work: M(F+I+W) per stage it holds."""
+    return stages_per_rank * n_microbatches * (cost.F + cost.input_grad + cost.weight_grad)
 
 
 def rank_spans(timeline: Timeline) -> dict[int, float]:
@@ -102,105 +159,121 @@ def zb_h1_makespan(pp_size: int, n_microbatches: int, cost: Cost) -> float:
     return n_microbatches * (f + i + w) + (pp_size - 1) * (f + i - w)
 
 
-def _validate(pp_size: int, n_microbatches: int, memory_limit: int, stages_per_rank: int) -> None:
-    if stages_per_rank != 1:
-        raise ConfigError(f"search plans one stage per rank (stages_per_rank=1); got {stages_per_rank}. "
-                          "Search a V-shaped or looped placement is not written yet: use --stages-per-rank 1.")
+def _validate(pp_size: int, n_microbatches: int, memory_limit: float, stages_per_rank: int,
+              weight_memory: float, objective: str) -> None:
+    if stages_per_rank not in (1, 2):
+        raise ConfigError(f"search plans one stage per rank, or two in torch's V placement (rank r holds stages r "
+                          f"and 2P-1-r, as ZBVZeroBubble); got --stages-per-rank {stages_per_rank}: use 1 or 2.")
     if pp_size < 1 or n_microbatches < 1:
         raise ConfigError(f"pp_size and n_microbatches must be >= 1, got {pp_size} and {n_microbatches}.")
-    if memory_limit < 1:
-        raise ConfigError(f"--memory-limit must be >= 1 microbatch of activations per stage, got {memory_limit}. "
-                          f"1F1B holds up to pp_size ({pp_size}) on stage 0; try --memory-limit {pp_size}.")
+    if not 0 <= weight_memory <= 1:
+        raise ConfigError(f"--weight-memory is the fraction of a microbatch's activations still held from I until "
+                          f"W, between 0 and 1; got {weight_memory}. 1 holds everything until W (the default).")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}.")
+    unit = 1 / stages_per_rank
+    if memory_limit < unit:
+        raise ConfigError(f"--memory-limit must hold at least one microbatch of a stage ({unit:g} in 1F1B stage "
+                          f"microbatches with {stages_per_rank} stage(s) per rank), got {memory_limit}. 1F1B holds up "
+                          f"to pp_size ({pp_size}) on rank 0; try --memory-limit {pp_size}.")
 
 
 def _at(t: float | None) -> float:
     return float("inf") if t is None else t
 
 
-def _list_schedule(pp_size: int, m: int, cost: Cost, limit: int, max_deferred: int,
-                   f_before_i: bool, extra_warmup: int) -> dict[int, list[PlannedAction]] | None:
-    """One pass of the rule; None if it gets stuck (it cannot with limit >= 1, but never loop forever)."""
+def _list_schedule(pp_size: int, spr: int, m: int, cost: Cost, limit: float, weight_memory: float,
+                   max_deferred: int, f_before_i: bool, extra_warmup: int) -> dict[int, list[PlannedAction]] | None:
+    """One pass of the rule; None if it gets stuck."""
     f, i, w, c = cost.F, cost.input_grad, cost.weight_grad, cost.p2p
-    last = pp_size - 1
+    stages = placement(pp_size, spr)
+    n = pp_size * spr
+    rank_of = {s: r for r, ss in enumerate(stages) for s in ss}
+    prefer = [sorted(ss, reverse=True) for ss in stages]  # the stage nearer the loss first
+    unit = 1.0 / spr
     end: dict[PlannedAction, float] = {}
     order: dict[int, list[PlannedAction]] = {r: [] for r in range(pp_size)}
     free = [0.0] * pp_size
-    next_f = [0] * pp_size           # next microbatch to forward on each stage
-    pending_i = [set() for _ in range(pp_size)]  # forwarded, input-gradient not yet computed
-    pending_w = [[] for _ in range(pp_size)]     # I done, W not yet (FIFO)
-    held = [0] * pp_size             # F done, W not done
-    total = 3 * m * pp_size
-    steps = 0
+    next_f = [0] * n
+    pending_i = [set() for _ in range(n)]   # forwarded, input-gradient not yet computed
+    pending_w = [deque() for _ in range(n)]  # I done, W not yet (FIFO)
+    held = [0.0] * pp_size
+    in_flight = [0] * pp_size                # F done, I not yet, over the rank's stages
+    warm = [(pp_size - r if spr == 1 else 2 * (pp_size - r) - 1) + extra_warmup for r in range(pp_size)]
+    total = 3 * m * n
 
     def arrival(a: PlannedAction, rank: int) -> float | None:
-        """When action `a`'s inputs are on `rank` (None: not scheduled yet)."""
         kind, s, mb = a
-        deps = []
-        if kind == "F" and s > 0:
-            deps = [(("F", s - 1, mb), c)]
+        if kind == "F":
+            deps = [("F", s - 1, mb)] if s > 0 else []
         elif kind == "I":
-            deps = [(("F", s, mb), 0.0)] + ([(("I", s + 1, mb), c)] if s < last else [])
-        elif kind == "W":
-            deps = [(("I", s, mb), 0.0)]
+            deps = [("F", s, mb)] + ([("I", s + 1, mb)] if s < n - 1 else [])
+        else:
+            deps = [("I", s, mb)]
         t = 0.0
-        for d, lat in deps:
+        for d in deps:
             if d not in end:
                 return None
-            t = max(t, end[d] + lat)
+            t = max(t, end[d] + (c if rank_of[d[1]] != rank else 0.0))
         return t
 
-    def may_forward(r: int) -> bool:
-        """Memory allows another F (held < limit), and so does the warm-up: at most P - r + extra
-        microbatches forwarded and not yet back (1F1B's warm-up when extra is 0)."""
-        return (next_f[r] < m and held[r] < limit
-                and len(pending_i[r]) < min(limit, pp_size - r + extra_warmup))
+    def may_forward(r: int, s: int) -> bool:
+        # V: a forward on the rank's first stage leaves room for one on its second, whose backward
+        # is what frees memory (without it both legs fill the rank and wait for each other)
+        room = unit if spr > 1 and s == stages[r][0] and next_f[stages[r][1]] < m else 0.0
+        return next_f[s] < m and held[r] + unit + room <= limit + 1e-9 and in_flight[r] < warm[r]
 
-    def candidates(r: int, t: float) -> list[tuple[int, PlannedAction]]:
-        """What rank r may start at time t, with the rule's preference (lowest first)."""
+    def candidates(r: int, t: float) -> list[tuple[int, int, PlannedAction]]:
         cands = []
-        if len(pending_w[r]) > max_deferred:
-            cands.append((0, ("W", r, pending_w[r][0])))
-        ready_i = sorted(mb for mb in pending_i[r] if _at(arrival(("I", r, mb), r)) <= t)
-        if ready_i:
-            cands.append((1 if not f_before_i else 2, ("I", r, ready_i[0])))
-        if may_forward(r) and _at(arrival(("F", r, next_f[r]), r)) <= t:
-            cands.append((2 if not f_before_i else 1, ("F", r, next_f[r])))
-        if pending_w[r]:
-            cands.append((3, ("W", r, pending_w[r][0])))
+        deferred = sum(len(pending_w[s]) for s in stages[r])
+        for k, s in enumerate(prefer[r]):
+            if deferred > max_deferred and pending_w[s]:
+                cands.append((0, k, ("W", s, pending_w[s][0])))
+            ready = sorted(mb for mb in pending_i[s] if _at(arrival(("I", s, mb), r)) <= t)
+            if ready:
+                cands.append((2 if f_before_i else 1, k, ("I", s, ready[0])))
+            if may_forward(r, s) and _at(arrival(("F", s, next_f[s]), r)) <= t:
+                cands.append((1 if f_before_i else 2, k, ("F", s, next_f[s])))
+            if pending_w[s]:
+                cands.append((3, k, ("W", s, pending_w[s][0])))
         return cands
 
     def earliest(r: int) -> float:
-        """The earliest time rank r can start something (inf: nothing it may run is scheduled yet)."""
-        if pending_w[r]:
+        if any(pending_w[s] for s in stages[r]):
             return free[r]
-        times = [arrival(("I", r, mb), r) for mb in pending_i[r]]
-        if may_forward(r):
-            times.append(arrival(("F", r, next_f[r]), r))
+        times = []
+        for s in stages[r]:
+            times += [arrival(("I", s, mb), r) for mb in pending_i[s]]
+            if may_forward(r, s):
+                times.append(arrival(("F", s, next_f[s]), r))
         known = [x for x in times if x is not None]
         return max(free[r], min(known)) if known else float("inf")
 
-    while steps < total:
+    for _ in range(total):
         r = min(range(pp_size), key=lambda k: (earliest(k), k))
         t = earliest(r)
         if t == float("inf"):
             return None  # every rank waits for something no rank will run
         cands = candidates(r, t)
-        kind, s, mb = a = min(cands)[1]
-        duration = {"F": f, "I": i, "W": w}[kind]
-        end[a] = t + duration
+        if not cands:
+            return None
+        kind, s, mb = a = min(cands)[2]
+        end[a] = t + {"F": f, "I": i, "W": w}[kind]
         free[r] = end[a]
         order[r].append(a)
-        steps += 1
         if kind == "F":
-            next_f[r] += 1
-            held[r] += 1
-            pending_i[r].add(mb)
+            next_f[s] += 1
+            held[r] += unit
+            in_flight[r] += 1
+            pending_i[s].add(mb)
         elif kind == "I":
-            pending_i[r].discard(mb)
-            pending_w[r].append(mb)
+            pending_i[s].discard(mb)
+            pending_w[s].append(mb)
+            held[r] -= (1 - weight_memory) * unit
+            in_flight[r] -= 1
         else:
-            pending_w[r].pop(0)
-            held[r] -= 1
+            pending_w[s].popleft()
+            held[r] -= weight_memory * unit
     return order
 
 
@@ -237,53 +310,104 @@ def handcrafted(kind: str, pp_size: int, n_microbatches: int) -> dict[int, list[
 
 
 HANDCRAFTED = ("1F1B", "ZB-H1", "ZB-H2")
-"""The orders `handcrafted` writes, and `search`'s seeds."""
+"""The orders `handcrafted` writes, and `search`'s seeds with one stage per rank."""
+
+V_SEEDS = ("ZBVZeroBubble", "DualPipeV")
+"""torch's V-shaped schedules: `search`'s seeds with two stages per rank (their planned orders)."""
 
 SEED_RULES = {"1F1B": "seed: 1F1B, I and W back to back",
               "ZB-H1": "seed: ZB-H1 (arXiv 2401.10241 Fig. 3)",
-              "ZB-H2": "seed: ZB-H2 (arXiv 2401.10241 Fig. 3)"}
+              "ZB-H2": "seed: ZB-H2 (arXiv 2401.10241 Fig. 3)",
+              "ZBVZeroBubble": "seed: torch's ZBVZeroBubble",
+              "DualPipeV": "seed: torch's DualPipeV"}
 
 
-def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: int,
-           stages_per_rank: int = 1) -> SearchResult:
-    """The best order found for `pp_size` stages (one per rank) and `n_microbatches`, holding at most
-    `memory_limit` microbatches' activations on any stage: the handcrafted seeds that fit and every
-    variant of the rule, ranked by (period, makespan). Taught in notebook 13."""
+def _seeds(pp_size: int, m: int, spr: int):
+    if spr == 1:
+        for kind in HANDCRAFTED:
+            yield handcrafted(kind, pp_size, m), SEED_RULES[kind]
+        return
+    from .plans import planned_actions
+
+    for kind in V_SEEDS:
+        try:
+            order = planned_actions(kind, pp_size, m, 2)
+        except Exception:  # torch refuses these sizes (DualPipeV needs M >= 2P), or an older torch
+            continue
+        if all(k in ("F", "I", "W") for acts in order.values() for k, _, _ in acts):
+            yield order, SEED_RULES[kind]
+
+
+def _variants(pp_size: int, m: int, limit: float, spr: int):
+    """The rule's parameters: extra warm-up forwards and W deferrals 0-4, then doubling up to what the
+    memory (and M) allows; F or I first."""
+    def steps(top):
+        return sorted({v for v in range(min(top, 4) + 1)} | {2 ** k for k in range(3, 12) if 2 ** k < top} | {top})
+
+    return product(steps(int(math.ceil(limit * spr))), steps(m * spr), (False, True))
+
+
+def evaluate(order, pp_size: int, n_microbatches: int, cost: Cost, memory_limit: float, rule: str, *,
+             weight_memory: float = 1.0, stages_per_rank: int = 1, objective: str = "period",
+             not_before: dict | None = None) -> SearchResult:
+    """Replay an order (each action as early as its rank and inputs allow, and not before
+    `not_before[action]` if given: the solver's own placement) and measure it as `search` does."""
+    tl = simulate_order(order, pp_size * stages_per_rank, n_microbatches, cost, not_before=not_before,
+                        meta={"schedule": f"searched (K={memory_limit:g})", "stages_per_rank": stages_per_rank})
+    metrics = tl.metrics()
+    return SearchResult(normalize_order(order), tl, metrics["makespan"], metrics["bubble_fraction"],
+                        memory_peak(order, weight_memory, stages_per_rank),
+                        lower_bound(pp_size, n_microbatches, cost, stages_per_rank),
+                        max(rank_spans(tl).values()), memory_limit, rule, weight_memory, stages_per_rank, objective)
+
+
+def _key(r: SearchResult) -> tuple:
+    first, second = (r.period, r.makespan) if r.objective == "period" else (r.makespan, r.period)
+    return (round(first, 9), round(second, 9))
+
+
+def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: float,
+           stages_per_rank: int = 1, *, weight_memory: float = 1.0, objective: str = "period",
+           time_limit: float = 0.0, workers: int = 1, progress: bool = False) -> SearchResult:
+    """The best order found for `pp_size` ranks (one stage each, or two in V placement) and
+    `n_microbatches`, holding at most `memory_limit` (1F1B stage microbatches, `weight_memory` the share
+    held from I until W) on any rank: the seeds that fit and every variant of the rule, ranked by the
+    objective ("period" or "makespan"), then, with `time_limit` > 0 seconds, the exact model
+    (`labkit.theory.exact`, needs OR-Tools) warm-started from that. Taught in notebook 13."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
-    _validate(pp_size, n_microbatches, memory_limit, stages_per_rank)
+    _validate(pp_size, n_microbatches, memory_limit, stages_per_rank, weight_memory, objective)
+    m, spr = n_microbatches, stages_per_rank
     best: SearchResult | None = None
-    best_key = None
-    bound = lower_bound(pp_size, n_microbatches, cost)
     seen: set = set()
-    seeds = ((handcrafted(kind, pp_size, n_microbatches), SEED_RULES[kind]) for kind in HANDCRAFTED)
-    variants = ((_list_schedule(pp_size, n_microbatches, cost, memory_limit, max_deferred, f_before_i, extra),
-                 f"warm-up P-s+{extra} F; defer at most {max_deferred} W; {'F' if f_before_i else 'I'} first")
-                for extra, max_deferred, f_before_i in product(range(0, memory_limit + 1),
-                                                               range(0, n_microbatches + 1), (False, True)))
-    for order, rule in chain(seeds, variants):
+    seeds_that_fit = []
+    variants = ((_list_schedule(pp_size, spr, m, cost, memory_limit, weight_memory, d, fi, extra),
+                 f"warm-up +{extra} F; defer at most {d} W; {'F' if fi else 'I'} first")
+                for extra, d, fi in _variants(pp_size, m, memory_limit, spr))
+    for order, rule in chain(_seeds(pp_size, m, spr), variants):
         key_order = tuple(tuple(acts) for acts in order.values()) if order is not None else None
         if order is None or key_order in seen:
             continue  # stuck, or an order a seed or another variant of the rule already gave
         seen.add(key_order)
-        if check_order(order, pp_size, n_microbatches):  # every action once, W after its I
+        if check_order(order, pp_size * spr, m):  # every action once, W after its I
             assert rule.startswith("seed:"), rule  # the rule's own orders always pass
             continue
-        peak = peak_in_flight(order)
-        if max(peak.values()) > memory_limit:
+        if max(memory_peak(order, weight_memory, spr).values()) > memory_limit + 1e-9:
             continue  # a seed that needs more memory than allowed (ZB-H1 and 1F1B hold p, ZB-H2 2p - 1)
-        tl = simulate_order(order, pp_size, n_microbatches, cost,
-                            meta={"schedule": f"searched (K={memory_limit})", "stages_per_rank": 1})
-        metrics = tl.metrics()
-        result = SearchResult(order, tl, metrics["makespan"], metrics["bubble_fraction"], peak, bound,
-                              max(rank_spans(tl).values()), memory_limit, rule)
-        # The paper's measure first: the longest rank's span is a step's time once steps overlap, and
-        # its bubble rate; ties go to the shorter single step. Seeds come first, so a rule variant
-        # replaces a seed only when strictly better.
-        key = (round(result.period, 9), round(result.makespan, 9))
-        if best is None or key < best_key:
-            best, best_key = result, key
+        result = evaluate(order, pp_size, m, cost, memory_limit, rule, weight_memory=weight_memory,
+                          stages_per_rank=spr, objective=objective)
+        if rule.startswith("seed:"):
+            seeds_that_fit.append(result)
+        # Seeds come first, so a rule variant replaces a seed only when strictly better.
+        if best is None or _key(result) < _key(best):
+            best = result
     if best is None:
-        raise ConfigError(f"No order found for pp_size={pp_size}, n_microbatches={n_microbatches}, "
-                          f"memory_limit={memory_limit}.")
+        raise ConfigError(f"No order found for pp_size={pp_size}, n_microbatches={m}, memory_limit={memory_limit}: "
+                          f"raise --memory-limit (1F1B holds {pp_size}).")
+    best.bound = (period_bound if objective == "period" else lower_bound)(pp_size, m, cost, spr)
+    if time_limit > 0:
+        from .exact import improve
+
+        best = improve(best, pp_size, m, cost, time_limit=time_limit, workers=workers, progress=progress,
+                       hints=seeds_that_fit)
     return best

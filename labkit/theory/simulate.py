@@ -41,11 +41,13 @@ def _dependencies(a: PlannedAction, n_stages: int) -> list[tuple[PlannedAction, 
 
 
 def simulate_order(order, n_stages: int | None = None, n_microbatches: int | None = None,
-                   cost: Cost | str = Cost(), *, meta: dict | None = None) -> Timeline:
+                   cost: Cost | str = Cost(), *, meta: dict | None = None,
+                   not_before: dict[PlannedAction, float] | None = None) -> Timeline:
     """Simulate a hand-written (or planned) order: `{rank: [(kind, stage, microbatch), ...]}`.
 
     Each rank runs its list in order; an action starts when the rank is free and its inputs are
-    there (+ `cost.p2p` when they come from another rank). Raises `ScheduleError` for a malformed
+    there (+ `cost.p2p` when they come from another rank), and not before `not_before[action]` when
+    given (a placement found by `labkit.theory.exact`, whose ranks may wait on purpose). Raises `ScheduleError` for a malformed
     order (see `check_order`) and `ScheduleDeadlock` when no rank can progress. Notebook 08.
     """
     if isinstance(cost, str):
@@ -84,7 +86,7 @@ def simulate_order(order, n_stages: int | None = None, n_microbatches: int | Non
                 ready = ready_time(a, r)
                 if ready is None:
                     break
-                start = max(free[r], ready)
+                start = max(free[r], ready, not_before.get(a, 0.0) if not_before else 0.0)
                 end = start + cost.duration(a[0])
                 done[a] = end
                 free[r] = end
