@@ -9,8 +9,9 @@ Taught in notebooks 03 (bubbles), 05 (reading a measured timeline) and 06 (measu
 Colours are fixed per action kind, from the Okabe-Ito palette (safe for the common colour-vision
 deficiencies): F blue, B vermillion, I dark bluish green and W the same hue much lighter (the two
 halves of a split backward differ in lightness, so they stay apart in greyscale too), SEND/RECV grey.
-Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits, else
-`F1` (never a bare number: I and W would read alike);
+Each bar is labelled like torch's actions (`2F1`: stage 2, forward, microbatch 1) where it fits; a bar
+too narrow for it gets no label (drawn by stage, where the row names the stage, a plot whose bars
+do not all fit `2F1` labels every bar `F1` instead: one form per plot, never a bare number);
 idle time is drawn hatched, with each rank's idle share at the right; the title says where the
 timeline comes from (spans, both ends of every action measured in the ranks; a profiler trace;
 torch's logs, with inferred starts; or simulated, with fitted or nominal costs).
@@ -146,16 +147,7 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
     ax.set_axisbelow(True)
 
     if label_microbatches and makespan > 0:
-        # Write the action inside bars wide enough for it (measured in points on the page).
-        fig = ax.figure
-        width_pt = ax.get_window_extent().width * 72.0 / fig.dpi
-        pt_per_unit = width_pt / (makespan * 1.01)
-        for a in t.compute():
-            for label in (f"{a.stage}{a.kind}{a.microbatch}", f"{a.kind}{a.microbatch}"):  # torch's 2F1, else F1
-                if a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2:
-                    break
-            else:
-                continue  # too narrow for any label
+        for a, label in bar_labels(t.compute(), by, _pt_per_unit(ax, makespan)):
             artists.append(ax.text(a.start + a.duration / 2, row_y[key(a)], label, ha="center", va="center",
                                    fontsize=_LABEL_FONTSIZE, color=_TEXT_COLORS.get(a.kind, "black")))
     if show_bubble:
@@ -165,6 +157,29 @@ def plot_timeline(ax, timeline: Timeline, by: str = "rank", title: str | None = 
         present = [k for k in (*COMPUTE_KINDS, *COMM_KINDS, *FSDP_KINDS) if any(a.kind == k for a in t.actions)]
         artists.append(kind_legend(ax, present, idle=show_bubble))
     return artists
+
+
+def _pt_per_unit(ax, makespan: float) -> float:
+    """Points on the page per unit of time on `ax` (its x range is the makespan plus 1%)."""
+    return ax.get_window_extent().width * 72.0 / ax.figure.dpi / (makespan * 1.01)
+
+
+def bar_labels(actions, by: str, pt_per_unit: float) -> list:
+    """(action, label) for the bars wide enough for a label, in one form per plot: a bar reading `F1`
+    beside bars reading `0F1` looks cut off.
+
+    By rank every label is torch's `2F1` (a rank may hold several stages: `F1` would not say which);
+    a bar too narrow for it gets none. By stage the row already names the stage: if any bar is too
+    narrow for `2F1`, every bar gets the short `F1`, and a bar too narrow even for that gets none.
+    """
+    def fits(a, label):
+        return a.duration * pt_per_unit >= 0.65 * _LABEL_FONTSIZE * len(label) + 2
+
+    actions = list(actions)
+    labels = [f"{a.stage}{a.kind}{a.microbatch}" for a in actions]
+    if by == "stage" and not all(fits(a, label) for a, label in zip(actions, labels)):
+        labels = [f"{a.kind}{a.microbatch}" for a in actions]
+    return [(a, label) for a, label in zip(actions, labels) if fits(a, label)]
 
 
 def plot_side_by_side(measured: Timeline, ideal: Timeline, axes=None, by: str = "rank") -> Figure:

@@ -175,14 +175,37 @@ def test_every_schedule_renders(name, tmp_path):
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_narrow_bars_keep_their_kind_in_the_label():
-    """A bar too narrow for `2I1` is labelled `I1`, never a bare microbatch number (I and W would read alike)."""
-    tl = simulate("ZBVZeroBubble", 2, 8, 2, Cost(F=1, B=2))
-    fig, ax = _ax(figsize=(10, 2))  # narrow bars: room for `I1`, not for `2I1`
+def test_narrow_bars_get_no_label_rather_than_a_cut_one():
+    """By rank every label is torch's full `2I1`; a bar too narrow for it gets none (never `I1`, which
+    reads as cut off beside `2I1` and does not say which of the rank's stages it is)."""
+    tl = simulate("ZBVZeroBubble", 2, 8, 2, Cost(F=1, B=4))  # F 1 unit, I and W 2 units each
+    fig, ax = _ax(figsize=(16, 2))  # room for `2I1` in I and W, not in F
     texts = [a.get_text() for a in plot_timeline(ax, tl, legend=False, show_bubble=False) if isinstance(a, Text)]
     labels = [t for t in texts if re.fullmatch(r"\d*[FBIW]\d+|\d+", t)]
-    assert labels and not any(t.isdigit() for t in labels)
-    assert any(re.fullmatch(r"[IW]\d+", t) for t in labels)
+    assert labels and all(re.fullmatch(r"\d+[FBIW]\d+", t) for t in labels), labels
+    assert {t[1] for t in labels} == {"I", "W"}  # F bars were too narrow and went without
+    wide_fig, wide_ax = _ax(figsize=(30, 2))  # room for every full label
+    wide = [a.get_text() for a in plot_timeline(wide_ax, tl, legend=False, show_bubble=False) if isinstance(a, Text)]
+    assert sorted(t for t in wide if re.fullmatch(r"\d+[FBIW]\d+", t)) == sorted(
+        f"{a.stage}{a.kind}{a.microbatch}" for a in tl.compute())
+
+
+def test_bar_labels_use_one_form_per_plot():
+    """bar_labels: by rank only the full form; by stage the short form for every bar once one bar
+    lacks room for the full one; a bar too narrow for the chosen form gets none."""
+    from labkit.plot import bar_labels
+
+    acts = [Action(0, 3, 0, "F", 0.0, 10.0), Action(0, 0, 1, "I", 10.0, 12.5), Action(0, 0, 2, "W", 12.5, 13.0)]
+    # 0.65 * 7 pt per character + 2: `3F0` needs 15.65 pt, `I1` 11.1 pt; at 5 pt per unit: 50, 12.5 and 2.5 pt
+    assert [label for _, label in bar_labels(acts, "rank", 5.0)] == ["3F0"]
+    assert [label for _, label in bar_labels(acts, "stage", 5.0)] == ["F0", "I1"]
+    assert [label for _, label in bar_labels(acts, "stage", 40.0)] == ["3F0", "0I1", "0W2"]
+    assert [label for _, label in bar_labels(acts, "rank", 40.0)] == ["3F0", "0I1", "0W2"]
+    fig, ax = _ax(figsize=(16, 2))  # as above: `2F1` does not fit in F, so no bar is labelled `2I1`
+    tl = simulate("ZBVZeroBubble", 2, 8, 2, Cost(F=1, B=4))
+    by_stage = [a.get_text() for a in plot_timeline(ax, tl, by="stage", legend=False, show_bubble=False)
+                if isinstance(a, Text) and re.fullmatch(r"\d*[FBIW]\d+", a.get_text())]
+    assert by_stage and all(re.fullmatch(r"[FBIW]\d+", t) for t in by_stage), by_stage
 
 
 def test_plot_memory_per_rank_sums_the_ranks_stages():
