@@ -267,20 +267,23 @@ def cmd_search(a) -> int:
     else:
         raise ConfigError("give the costs: --cost F=1,I=1,W=1 (any unit), or --cost-from RUN_DIR to fit them "
                           "from a measured run")
-    r = search(a.pp_size, a.microbatches, cost, a.memory_limit, a.stages_per_rank)
+    r = search(a.pp_size, a.microbatches, cost, a.memory_limit, a.stages_per_rank, weight_memory=a.weight_memory,
+               objective=a.objective, time_limit=a.time_limit, workers=a.workers, progress=a.time_limit > 0)
     if a.csv:
         Path(a.csv).write_text(r.csv())
+        spr = " --schedule ZBVZeroBubble --stages-per-rank 2" if a.stages_per_rank != 1 else ""  # its V placement
         print(f"wrote {a.csv} (torch's compute-only CSV: run it on torch's runtime, checked against the unsplit "
-              f"model, with `labkit run --nproc {a.pp_size} --microbatches {a.microbatches} --schedule-csv {a.csv}`)",
+              f"model, with `labkit run --nproc {a.pp_size} --microbatches {a.microbatches}{spr} --schedule-csv {a.csv}`)",
               file=sys.stderr)
     data = r.to_json()
     data["zb_h1_makespan"] = zb_h1_makespan(a.pp_size, a.microbatches, cost)
     if a.json:
         print(json.dumps(data))
     else:
-        print(f"searched order (K={a.memory_limit}): makespan {r.makespan:g} (lower bound {r.lower_bound:g}, "
-              f"{100 * r.gap:.1f}% above), steady-state period {r.period:g}, bubble_fraction {r.bubble:.4f}, "
-              f"peak per stage {data['peak']}; rule: {r.rule}")
+        print(f"searched order (K={a.memory_limit:g}, R={a.weight_memory:g}): makespan {r.makespan:g} (lower bound "
+              f"{r.lower_bound:g}), steady-state period {r.period:g}, {r.objective} {r.value:g} (proven bound "
+              f"{r.bound:g}, {100 * r.gap:.1f}% above), bubble_fraction {r.bubble:.4f}, peak per rank {data['peak']}; "
+              f"rule: {r.rule}")
     return 0
 
 
@@ -318,9 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--cost", default=None, help="durations, e.g. F=1,I=1,W=1 (any unit)")
     se.add_argument("--comm", type=float, default=None, help="latency of a send between ranks (same unit)")
     se.add_argument("--cost-from", default=None, help="fit the costs from a measured run directory instead")
-    se.add_argument("--memory-limit", type=int, required=True,
-                    help="most microbatches' activations any stage may hold (1F1B: pp_size)")
-    se.add_argument("--stages-per-rank", type=int, default=1)
+    se.add_argument("--memory-limit", type=float, required=True,
+                    help="most activation memory any rank may hold, in microbatches of one 1F1B stage (1F1B: pp_size)")
+    se.add_argument("--stages-per-rank", type=int, default=1, help="1, or 2 in torch's V placement (ZBVZeroBubble's)")
+    se.add_argument("--weight-memory", type=float, default=1.0,
+                    help="share of a microbatch's activations still held from I until W (1: all, the default; "
+                         "the zero-bubble paper's models: 32h/(34h+5as), labkit.theory.paper.weight_memory)")
+    se.add_argument("--objective", default="period", choices=["period", "makespan"],
+                    help="period: the longest rank's span (the paper's, steps overlapping); makespan: one step")
+    se.add_argument("--time-limit", type=float, default=0.0,
+                    help="seconds for the exact model (OR-Tools CP-SAT, pip install 'labkit[search]'); 0: list "
+                         "scheduling only")
+    se.add_argument("--workers", type=int, default=1, help="CP-SAT's worker threads")
     se.add_argument("--csv", default=None, help="write the order as torch's compute-only CSV")
     se.add_argument("--json", action="store_true", help="print makespan, bubble, peak, bounds, order as JSON")
     c = sub.add_parser("clean", help="end processes the kit left running (orphans; --all: every kit job)")

@@ -230,7 +230,8 @@ class RunConfig:
         validate_parallel(self)
         if self.schedule_csv is not None:
             self.schedule_csv = os.path.abspath(self.schedule_csv)
-            validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank, self.inference)
+            validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank, self.inference,
+                               v_shaped=self.info.v_shaped)
 
     @property
     def info(self) -> ScheduleInfo:
@@ -420,16 +421,19 @@ def read_order_csv(path: str | os.PathLike) -> dict[int, list[str]]:
 
 
 def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_rank: int | None,
-                       inference: bool = False) -> None:
-    """An order --schedule-csv can run: one row per rank, stage r on rank r, every dependency kept
+                       inference: bool = False, v_shaped: bool = False) -> None:
+    """An order --schedule-csv can run: one row per rank, stage r on rank r (or, with a V-shaped
+    --schedule and --stages-per-rank 2, stages r and 2P-1-r), every dependency kept
     (labkit.orders.check_order), the run's microbatch count."""
     from .orders import check_order, parse_action
 
     if not os.path.isfile(path):
         raise ConfigError(f"--schedule-csv {path}: no such file. Write one with `labkit search ... --csv {path}`.")
-    if (stages_per_rank or 1) != 1 or inference:
-        raise ConfigError("--schedule-csv runs one stage per rank with a backward: use --schedule 1F1B (or GPipe) "
-                          "without --stages-per-rank or --inference.")
+    spr = stages_per_rank or 1
+    if (spr != 1 and not (spr == 2 and v_shaped)) or inference:
+        raise ConfigError("--schedule-csv runs one stage per rank with a backward (--schedule 1F1B), or two in V "
+                          "placement (--schedule ZBVZeroBubble --stages-per-rank 2, whose placement it borrows), "
+                          "without --inference.")
     rows = read_order_csv(path)
     if len(rows) != pp_size:
         raise ConfigError(f"--schedule-csv {path} has {len(rows)} rows but the run has {pp_size} ranks: pass "
@@ -438,15 +442,17 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
         order = {r: [parse_action(a, f"rank {r}, position {i}") for i, a in enumerate(acts)] for r, acts in rows.items()}
     except ValueError as e:
         raise ConfigError(f"--schedule-csv {path}: {e}") from None
-    wrong = sorted({(r, st) for r, acts in order.items() for _, st, _ in acts if st != r})
+    places = stage_placement(pp_size, spr, v_shaped)
+    wrong = sorted({(r, st) for r, acts in order.items() for _, st, _ in acts if st not in places[r]})
     if wrong:
-        raise ConfigError(f"--schedule-csv {path}: rank r must run stage r (one stage per rank), but "
+        where = "rank r must run stage r (one stage per rank)" if spr == 1 else "rank r must run stages r and 2P-1-r (V)"
+        raise ConfigError(f"--schedule-csv {path}: {where}, but "
                           f"{', '.join(f'rank {r} has stage {st}' for r, st in wrong[:3])}.")
     m = 1 + max((mb for acts in order.values() for _, _, mb in acts), default=-1)
     if m != n_microbatches:
         raise ConfigError(f"--schedule-csv {path} schedules {m} microbatches but the run cuts the batch into "
                           f"{n_microbatches}: pass --microbatches {m}.")
-    problems = check_order(order, pp_size, n_microbatches)
+    problems = check_order(order, pp_size * spr, n_microbatches)
     if problems:
         raise ConfigError(f"--schedule-csv {path} cannot run:\n- " + "\n- ".join(problems))
 

@@ -27,11 +27,20 @@ where it is fast enough (`comparison(search_settings=...)`). It is not the paper
 ILP), but like it starts from the handcrafted orders (its seeds) and ranks by the same longest
 stage's span, so it is never worse than ZB-H1 at limit p nor ZB-H2 at 2p: see notebook 13 and bench.
 1F1B-I (interleaved, one transformer layer per chunk, layer counts per stage uneven) is printed
-but not reproduced: the per-chunk costs it needs are not in the paper. Taught in notebook 13.
+but not reproduced: the per-chunk costs it needs are not in the paper.
+
+Memory is counted as the paper counts it: its Table 1 gives the activation memory one transformer
+layer needs for B, M_B = sb(34h + 5as), and for W, M_W = 32sbh (h hidden size, a attention heads,
+s sequence length, b microbatch size); F holds M_B, B (the kit's I) frees M_B - M_W, W frees M_W, and
+ZB-1p / ZB-2p are searched under limits pM_B and 2pM_B. So the share held from I until W is
+R = M_W / M_B = 32h / (34h + 5as) (`weight_memory`), from the models of its Table 4 (`MODELS`: h, a,
+s = 1024). The zero-bubble repository sets the same numbers in its scheduler (mem_f = 34h + 5as,
+mem_w = -32h). Taught in notebook 13.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..orders import PlannedAction
@@ -92,6 +101,19 @@ BUBBLE_RATES: dict[Setting, dict[str, float]] = {
 
 SETTINGS: tuple[Setting, ...] = tuple(PROFILED)
 
+# Table 4 of the paper: hidden size h and attention heads a per model (sequence length 1024).
+MODELS: dict[str, dict[str, int]] = {
+    "1.5B": {"h": 2304, "a": 24, "s": 1024}, "6.2B": {"h": 4096, "a": 32, "s": 1024},
+    "14.6B": {"h": 5120, "a": 40, "s": 1024}, "28.3B": {"h": 6144, "a": 48, "s": 1024},
+}
+
+
+def weight_memory(model: str) -> float:
+    """R = M_W / M_B = 32h / (34h + 5as): the share of a microbatch's activations W still needs after
+    B (the paper's Table 1 formulas with its Table 4 model sizes); `search(weight_memory=R)`."""
+    d = MODELS[model]
+    return 32 * d["h"] / (34 * d["h"] + 5 * d["a"] * d["s"])
+
 
 def cost(setting: Setting, comm: bool = True) -> Cost:
     """Table 9's costs as the kit's `Cost` (the paper's B is the kit's I; B = I + W for 1F1B's full
@@ -127,17 +149,28 @@ def kit_timeline(kind: str, setting: Setting, comm: bool = True):
     return simulate_order(handcrafted(kind, setting.p, setting.m), setting.p, setting.m, c, meta={"schedule": kind})
 
 
-def comparison(settings=SETTINGS, search_settings=()) -> list[dict]:
+def comparison(settings=SETTINGS, search_settings=(), *, time_limit: float = 0.0, workers: int = 1,
+               paper_memory: bool = True) -> list[dict]:
     """One row per setting: the paper's Table 5 rates and the kit's (1F1B, ZB-H1, ZB-H2 simulated;
-    ZB-1p and ZB-2p as the kit's `search` at memory limits p and 2p, for `search_settings` only: it
-    tries (K+1)(m+1) variants of its rule, seconds to minutes each at these sizes)."""
+    ZB-1p and ZB-2p as the kit's `search` at memory limits p and 2p, for `search_settings` only, with
+    the paper's memory count (`weight_memory`; paper_memory=False holds everything until W), and
+    with `time_limit` > 0 the exact model for that many seconds per search). Each searched entry also
+    says how long it took (`seconds`) and the solver's proven bound on the rate (`bound`)."""
     rows = []
     for st in settings:
         c = cost(st)
         kit = {k: bubble_rate(kit_timeline(k, st), st.m, c) for k in ("1F1B", "ZB-H1", "ZB-H2")}
+        searched = {}
         if st in search_settings:
             for name, limit in (("ZB-1p", st.p), ("ZB-2p", 2 * st.p)):
-                r = search(st.p, st.m, c, memory_limit=limit)
+                t0 = time.monotonic()
+                r = search(st.p, st.m, c, memory_limit=limit, weight_memory=weight_memory(st.model) if paper_memory else 1.0,
+                           time_limit=time_limit, workers=workers)
                 kit[name] = bubble_rate(r.timeline, st.m, c)
-        rows.append({"model": st.model, "p": st.p, "m": st.m, "paper": dict(BUBBLE_RATES[st]), "kit": kit})
+                busy = st.m * (c.F + c.input_grad + c.weight_grad)
+                searched[name] = {"seconds": round(time.monotonic() - t0, 2), "rule": r.rule,
+                                  "bound": (r.bound - busy) / r.bound if r.bound else 0.0,
+                                  "peak": max(r.peak.values())}
+        rows.append({"model": st.model, "p": st.p, "m": st.m, "paper": dict(BUBBLE_RATES[st]), "kit": kit,
+                     "searched": searched})
     return rows

@@ -157,10 +157,18 @@ def simulate(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: 
 
 
 def theory_json(timeline: Timeline) -> dict:
-    """What `labkit theory --json` prints: actions, makespan, both bubble definitions, meta."""
+    """What `labkit theory --json` prints: actions, makespan, both bubble definitions, meta, and the
+    peak activation memory per rank in 1F1B stage microbatches (a stage of a rank holding several
+    weighs 1/stages_per_rank; held from F until B, or W when split), so that schedules can be compared
+    at equal memory with `labkit search --memory-limit`."""
+    from ..orders import rank_orders
+    from .search import memory_peak
+
     t = timeline.shifted()
     m = t.metrics()
+    spr = t.meta.get("stages_per_rank") or 1
     return {
+        "peak": {str(r): v for r, v in memory_peak(rank_orders(t), 1.0, spr).items()},
         "actions": [{"rank": a.rank, "stage": a.stage, "microbatch": a.microbatch, "kind": a.kind,
                      "start": a.start, "end": a.end} for a in t.actions],
         "makespan": m["makespan"],
