@@ -28,17 +28,19 @@ a checkpoint), as torchtitan does. The stage's forward calls transformers' own b
 
 Tracer split (`trace_pipe`): `pipeline()` on the whole model with the same settings, plus two:
 
-- traced under `torch.no_grad()`. The rotary module's forward (Llama and its family) is decorated
-  `@torch.no_grad()`; export records that grad-mode switch as a region of its own (a
-  `wrap_with_set_grad_enabled` higher-order op), and the unflattener, rebuilding modules from the
-  graph, cuts `rotary_emb`'s call in two around it and gives one part no inputs: on torch 2.13 to
-  2.15 the first stage fails at its first call ('Expected positional argument for parameter
-  position_ids'), on 2.11 `pipeline()` itself fails ('unexpected placeholder node');
-  pytorch/pytorch#184361. Under `no_grad` the switch changes nothing, export records no region, and
+- traced under `torch.no_grad()`. Up to transformers 5.23 the rotary module's forward (Llama and its
+  family) is decorated `@torch.no_grad()` (5.24 removed the decorator from every rotary module, and a
+  plain `pipeline()` of a Llama runs there: notebook 11); export records that grad-mode switch as a
+  region of its own (a `wrap_with_set_grad_enabled` higher-order op), and the unflattener,
+  rebuilding modules from the graph, cuts `rotary_emb`'s call in two around it and gives one part no
+  inputs: on torch 2.13 to 2.15 the first stage fails at its first call ('Expected positional
+  argument for parameter position_ids'), on 2.11 `pipeline()` itself fails ('unexpected placeholder
+  node'); pytorch/pytorch#184361. Under `no_grad` the switch changes nothing, export records no region, and
   the rotary module stays whole. Training is unaffected: export records the operations, not the grad
   mode; the stages run them with autograd on, and the region held no parameter (the reference
   check compares every gradient). A model whose `no_grad` region does hold a parameter's use would
-  differ, and its check would say so.
+  differ, and its check would say so. The kit keeps this setting on every release: it changes
+  nothing where there is no region (5.24), and keeps 5.23, the oldest release supported, working.
 - `labkit.models.skips.carry_skips`: the masks and rotary embeddings are computed once, on the first
   stage, and read by every block; the carry turns those skip connections into a chain (each stage
   passes them on), which torch's backward and its multi-stage schedules need. Only the first stage
@@ -234,12 +236,12 @@ class HFStage(nn.Module):
             h = self.model.embed_tokens(x) if self.is_first else x
             if position_ids is None:
                 position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            kw = dict(config=cfg, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None,
-                      position_ids=position_ids)
-            masks = {"full_attention": mu.create_causal_mask(**kw)}
+            # no key/value cache, by position: transformers 5.24 renamed it (past_key_values -> cache)
+            args = (cfg, h, attention_mask, None)
+            masks = {"full_attention": mu.create_causal_mask(*args, position_ids=position_ids)}
             types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
             if "sliding_attention" in types:
-                masks["sliding_attention"] = mu.create_sliding_window_causal_mask(**kw)
+                masks["sliding_attention"] = mu.create_sliding_window_causal_mask(*args, position_ids=position_ids)
             pe = self.model.rotary_emb(h, position_ids)
             for i, layer in self.blocks():
                 h = layer(h, attention_mask=masks[types[i]], position_embeddings=pe, position_ids=position_ids)
@@ -249,8 +251,7 @@ class HFStage(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             h = t.drop(t.wte(x) + t.wpe(position_ids)) if self.is_first else x
-            mask = mu.create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=attention_mask,
-                                         past_key_values=None, position_ids=position_ids)
+            mask = mu.create_causal_mask(cfg, h, attention_mask, None, position_ids=position_ids)  # None: no cache
             for _, block in self.blocks():
                 h = block(h, None, mask, position_ids=position_ids)
             return self.lm_head(t.ln_f(h)) if self.is_last else h
