@@ -12,9 +12,19 @@ from .explorer import explorer
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "explorer", "launch", "run"]
 
-from .ranks import Ranks, RanksError  # live ranks: labkit.Ranks(nproc=2), and %%ranks after %load_ext labkit
+__all__ += ["Ranks", "RanksError"]  # live ranks: labkit.Ranks(nproc=2), and %%ranks after %load_ext labkit
 
-__all__ += ["Ranks", "RanksError"]
+
+def __getattr__(name):
+    # Imported when first used: `import labkit` runs in every torchrun agent of this environment
+    # (torch loads the kit's rendezvous plugin, labkit.rendezvous) and in `labkit launch`, which need
+    # neither the live ranks nor what they import.
+    if name in ("Ranks", "RanksError", "ranks"):
+        from importlib import import_module  # not `from . import ranks`: that asks this hook again
+
+        ranks = import_module(".ranks", __name__)
+        return ranks if name == "ranks" else getattr(ranks, name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
 def load_ipython_extension(ip) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import shlex
 import subprocess
 import sys
@@ -79,9 +80,6 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     validate_nodes(nnodes, node_rank, rdzv_endpoint)
     if stream not in STREAMS:
         raise ConfigError(f"stream must be 'output', 'all' or 'none', got {stream!r}.")
-    ended = clean(all_jobs=False)  # orphans of an earlier kernel that died hard
-    if ended:
-        print(f"[labkit] before launching: {describe(ended)}", flush=True)
     label = name or (entry.rsplit(".", 1)[-1] if module else Path(entry).stem)
     run_dir = new_run_dir(out, label, runs_root)
     cmd = torchrun_command(entry, [str(a) for a in args], nproc, run_dir, nnodes, node_rank, rdzv_endpoint,
@@ -98,9 +96,15 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     with open(run_dir / "launcher.log", "wb") as launcher_log:
         proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=job_env(run_dir, env, pp_logs, single_node), preexec_fn=die_with_parent)
+    exited = _ExitWaiter(proc)
     known: dict = {}
     next_scan = 0.0
     try:
+        # Orphans of an earlier kernel that died hard: ended while torchrun starts (this job's processes
+        # have a live owner, this one, so they are never among them): a /proc walk that need not delay it
+        ended = clean(all_jobs=False)
+        if ended:
+            print(f"[labkit] ended what an earlier launch left running: {describe(ended)}", flush=True)
         while proc.poll() is None:
             streamer.poll()
             now = time.monotonic()
@@ -117,10 +121,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
                 run.status = "interrupted"
                 run.error = "stopped on request (stop_event); every rank was stopped"
                 break
-            try:  # wakes the moment torchrun exits, not at the next tick
-                proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
+            exited(0.1)  # wakes the moment torchrun exits, not at the next tick
     except KeyboardInterrupt:
         stop_job(proc, known)
         run.status = "interrupted"
@@ -134,6 +135,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     finally:
         if proc.poll() is None:  # any other exception: leave nothing running
             stop_job(proc, known)
+        exited.close()
     run.returncode = proc.returncode
     stop_job(proc, known, grace=2.0)  # workers exit before torchrun; make sure none lingers
     streamer.poll(final=True)
@@ -156,6 +158,32 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     if run.status != "ok" and check and run.status != "interrupted":
         raise LaunchError(error_message(run, run.error or "the job failed"), run)
     return run
+
+
+class _ExitWaiter:
+    """`waiter(timeout)` returns when `proc` exits or after `timeout` s. Linux: a pidfd, readable the
+    moment the process ends; elsewhere Popen.wait, whose polling sleeps up to 50 ms between looks."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.fd = proc, None
+        try:
+            self.fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # Python < 3.9, a kernel < 5.3, not Linux
+            pass
+
+    def __call__(self, timeout: float) -> None:
+        if self.fd is not None:
+            select.select([self.fd], [], [], timeout)
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool = True, stream: str = "output",

@@ -59,6 +59,8 @@ class Streamer:
         self.pp_lines = 0
 
     def _discover(self) -> None:
+        if len(self.tails) >= 2 * self.nproc + (self.stream == "all"):
+            return  # every file found: no more globbing at each poll while the ranks run
         p = self.run_dir / "launcher.log"
         if p not in self.tails and self.stream == "all":  # torchrun's own chatter; errors reach LaunchError
             self.tails[p] = Tail(p, "[launcher] ")

@@ -2,11 +2,24 @@
 intervals: events -> Timeline, and how waits are taken out), where idle time went (gaps), and
 torch.profiler traces (profiler)."""
 
-from .gaps import CAUSES, IdleReport, explain_idle
-from .intervals import WAITS, timeline_from_path, to_timeline, trim_waits
-from .messages import END, START, Event, decode_action, decode_message
-from .parse import log_files, parse_files, parse_lines, parse_run_dir, rank_from_path
-from .profiler import actions_from_trace, profile_files, timeline_from_profile
+_HOMES = {"gaps": ("CAUSES", "IdleReport", "explain_idle"),
+          "intervals": ("WAITS", "timeline_from_path", "to_timeline", "trim_waits"),
+          "messages": ("END", "START", "Event", "decode_action", "decode_message"),
+          "parse": ("log_files", "parse_files", "parse_lines", "parse_run_dir", "rank_from_path"),
+          "profiler": ("actions_from_trace", "profile_files", "timeline_from_profile")}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name):
+    # Each name is imported from its module when first used: the launcher needs only the log format
+    # (labkit.logs.parse), not the readers, and importing them all would slow every launch.
+    from importlib import import_module
+
+    if name in _HOME:
+        return getattr(import_module(f".{_HOME[name]}", __name__), name)
+    if name in _HOMES:  # a module of the package, used as labkit.logs.gaps after `import labkit`
+        return import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CAUSES", "END", "IdleReport", "START", "WAITS", "explain_idle", "Event", "actions_from_trace", "decode_action", "decode_message", "log_files",
