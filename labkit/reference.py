@@ -240,7 +240,8 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
         pairs = sorted({tuple(st) for st in clash.values()})
         names = sorted(clash, key=lambda n: (clash[n], n))
         problems.append(
-            f"parameter names collide across stages: {len(clash)} names are claimed by more than one stage "
+            f"parameter names collide across stages: {len(clash)} name{' is' if len(clash) == 1 else 's are'} "
+            f"claimed by more than one stage "
             f"({'; '.join('stages ' + ' and '.join(map(str, p)) for p in pairs)}), e.g. "
             f"{', '.join(map(repr, names[:3]))}. Each name would be compared with ONE gradient of the unsplit "
             "model, the wrong one for all but one stage. A stage whose children were renumbered 0..k (e.g. "
