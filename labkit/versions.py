@@ -71,6 +71,8 @@ FEATURES = {
     "pre-split microbatches": ((2, 14), "schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)"),
     "activation liveness": ((2, 15), "torch.distributed.pipelining.analyze_pipeline_activation_liveness"),
     "WAIT actions": ((2, 15), "the runtime's WAIT_SEND_F, WAIT_SEND_B and WAIT_REDUCE_GRAD actions"),
+    "deferred FSDP gradients": ((2, 15), "schedule.step(..., finalize_gradients=False): FSDP stages keep their "
+                                         "gradients unreduced and parameters gathered until a step with True"),
 }
 """What a torch version added that a lesson shows: name -> (first version, what it is)."""
 

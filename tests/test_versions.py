@@ -24,6 +24,7 @@ def test_each_feature_is_present_exactly_from_its_version_on():
         "pre-split microbatches": "arg_mbs" in inspect.signature(ScheduleGPipe.step).parameters,
         "activation liveness": hasattr(pipelining, "analyze_pipeline_activation_liveness"),
         "WAIT actions": hasattr(schedules._ComputationType, "WAIT_SEND_F"),
+        "deferred FSDP gradients": "finalize_gradients" in inspect.signature(ScheduleGPipe.step).parameters,
     }
     assert set(actual) == set(versions.FEATURES)
     for name, present in actual.items():
