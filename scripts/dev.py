@@ -4,6 +4,7 @@
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
+    python3 scripts/dev.py test --under-load   # the same beside one busy process per core (a busy laptop)
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
@@ -150,15 +151,59 @@ def finish_other_setup(proc: subprocess.Popen) -> str:
     return envsetup.installed_torch(OTHER_VENV) or "?"
 
 
+# A busy process: pure Python spinning at normal priority. It checks every few milliseconds of its
+# CPU time that dev.py (its pid given, not read at the spinner's start: dev.py may be gone by then)
+# is still its parent and ends once it is not, so a dev.py killed with SIGKILL leaves no spinner behind.
+SPINNER = "import os\nwhile os.getppid() == {parent}:\n    for _ in range(200_000): pass\n"
+
+
+def load_size() -> int:
+    """How many busy processes `test --under-load` runs: one per core."""
+    return os.cpu_count() or 1
+
+
+class BusyLoad:
+    """`with BusyLoad(n):` n processes keep every core busy while the block runs; they are killed when
+    it ends, whatever ends it (a failure, Ctrl-C). Timing claims of the suite must hold beside them."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "BusyLoad":
+        self.procs = [subprocess.Popen([sys.executable, "-c", SPINNER.format(parent=os.getpid())],
+                                       stdin=subprocess.DEVNULL)
+                      for _ in range(self.n)]
+        print(f"(under load: {self.n} busy processes, one per core, run beside the tests at normal priority: "
+              f"pids {' '.join(str(p.pid) for p in self.procs)})", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        print(f"(under load: the {self.n} busy processes were stopped)", flush=True)
+
+
 def test(argv: list[str]) -> int:
     """The whole suite on .venv's torch (2.15 from the lock, or what a cap allows), then, unless
     `--one-torch`, the version-dependent part (torch's API table, the log parser, the reference runs,
     every notebook) on the other end of the supported range, in .venv-torch2.11, whose set-up runs
-    in the background during the first leg. Fails if either leg fails."""
-    one_torch = "--one-torch" in argv
-    argv = [a for a in argv if a != "--one-torch"]
+    in the background during the first leg. Fails if either leg fails. `--under-load`: both legs run
+    beside one busy process per core (BusyLoad), started after the set-up and stopped at the end."""
+    under_load = "--under-load" in argv
+    argv = [a for a in argv if a != "--under-load"]
     main_torch = setup()
     ensure_browser()
+    if under_load:  # the load starts after the set-up: installing is not what it tests
+        with BusyLoad(load_size()):
+            return test_legs(argv, main_torch)
+    return test_legs(argv, main_torch)
+
+
+def test_legs(argv: list[str], main_torch: str) -> int:
+    one_torch = "--one-torch" in argv
+    argv = [a for a in argv if a != "--one-torch"]
     other = None if one_torch else start_other_setup()
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv)

@@ -199,3 +199,60 @@ def test_any_other_set_up_failure_ends_in_one_message(monkeypatch, capsys, error
     assert dev.main(["test", "--one-torch"]) == 3
     err = capsys.readouterr().err
     assert f"set-up failed at step '{step}'" in err and "fix: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("outcome", ["passes", "raises"])
+def test_under_load_runs_one_busy_process_per_core_beside_the_tests_and_stops_them(monkeypatch, capsys, outcome):
+    """`dev.py test --under-load`: the busy processes run (and spin) while pytest runs, and are gone
+    afterwards, whether the tests pass or the run fails; the flag itself never reaches pytest."""
+    import psutil
+
+    dev = _dev_module()
+    seen = {}
+
+    def fake_pytest(venv_dir, paths, argv):
+        load = [psutil.Process(p.pid) for p in seen["load"].procs]
+        seen.update(argv=argv, state=[p.status() for p in load])
+        if outcome == "raises":
+            raise KeyboardInterrupt
+        return 0
+
+    real = dev.BusyLoad
+
+    def recording(n):
+        seen["load"] = real(n)
+        return seen["load"]
+    monkeypatch.setattr(dev, "BusyLoad", recording)
+    monkeypatch.setattr(dev, "load_size", lambda: 2)
+    monkeypatch.setattr(dev, "setup", lambda *a, **k: "2.15.0")
+    monkeypatch.setattr(dev, "ensure_browser", lambda: None)
+    monkeypatch.setattr(dev, "pytest", fake_pytest)
+    assert dev.main(["test", "--one-torch", "--under-load", "-x"]) == (0 if outcome == "passes" else 130)
+    # they spin: always running or runnable (R), never sleeping, however busy the machine is
+    assert seen["argv"] == ["-x"] and seen["state"] == [psutil.STATUS_RUNNING] * 2, seen
+    assert all(p.poll() is not None for p in seen["load"].procs)  # stopped after the run
+    out = capsys.readouterr().out
+    assert "under load: 2 busy processes" in out and "busy processes were stopped" in out
+
+
+def test_the_busy_processes_end_when_dev_py_is_killed(tmp_path):
+    """A dev.py killed with SIGKILL (no cleanup runs) leaves no spinner behind: each one watches its
+    parent, whose pid it is given (it may start after dev.py is already gone, as here)."""
+    import psutil
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import dev, time\n"
+            "load = dev.BusyLoad(2).__enter__()\n"
+            "print(' '.join(str(p.pid) for p in load.procs), flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(ROOT / "scripts")], stdout=subprocess.PIPE, text=True)
+    try:
+        parent.stdout.readline()  # BusyLoad's own line: "(under load: ...)"
+        pids = [int(p) for p in parent.stdout.readline().split()]
+    finally:
+        parent.kill()  # at once: the spinners may not even have started
+        parent.wait()
+        parent.stdout.close()
+    assert len(pids) == 2
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=120)
+    for p in alive:
+        p.kill()
+    assert not alive, f"spinners still running 120 s after dev.py was killed: {[p.pid for p in alive]}"
