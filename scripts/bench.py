@@ -563,6 +563,8 @@ def _launch_when(lo: dict) -> str:
     parts = [f"median of {len(lo['pair_ratios'])} pairs"] if lo.get("pair_ratios") else []
     parts += [f"measured {lo['date']}"] if lo.get("date") else []
     parts += [f"torch {lo['torch']}"] if lo.get("torch") else []
+    parts += [f"load average {lo['load'][0]} at the start, {lo['load'][1]} at the end on {os.cpu_count()} cores"] \
+        if lo.get("load") else []
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -684,8 +686,10 @@ def main(argv=None) -> int:
         if "live_ranks" in a.only:
             res["live_ranks"] = {**live_ranks(), "date": stamp}
         if a.only == "launch":
+            load = os.getloadavg()[0]
             lo = launch_overhead(n=a.pairs)
-            res["launch_overhead_ratio"], res["launch_overhead"] = lo["ratio"], {**lo, "date": stamp, "torch": _torch()}
+            res["launch_overhead_ratio"], res["launch_overhead"] = lo["ratio"], {
+                **lo, "date": stamp, "torch": _torch(), "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
         if "instruments" in a.only:
             res["instrument_fidelity"], res["instrument_fidelity_date"] = instrument_fidelity(), stamp
         if "spans" in a.only:
