@@ -109,7 +109,7 @@ def test_cli_search_writes_torchs_csv_and_json(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
-    assert {"makespan", "bubble", "peak", "lower_bound", "period"} <= set(data) and data["makespan"] <= 27
+    assert {"makespan", "bubble", "peak", "lower_bound", "period", "bound", "gap"} <= set(data) and data["makespan"] <= 27
     rows = out.read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("0F0,")
     assert f"labkit run --nproc 4 --microbatches 8 --schedule-csv {out}" in p.stderr  # how to run what it wrote
@@ -178,3 +178,105 @@ def test_cli_search_fits_costs_from_a_measured_run_and_adds_the_sends(tmp_path):
     with_sends = fit_cost(load_timeline(run), p2p=comm)
     assert linked["makespan"] == pytest.approx(search(4, 8, with_sends, memory_limit=4).makespan)
     assert linked["makespan"] > plain["makespan"]
+
+
+# ---- issue 32: the paper's memory count, the exact model, V placement --------------------------------
+
+def test_weight_memory_counts_what_w_still_holds():
+    """F holds 1, I frees 1 - R, W frees R (the zero-bubble paper's count); R = 1 is peak_in_flight's."""
+    from labkit.theory.search import memory_peak
+    order = {0: [("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("I", 0, 1), ("W", 0, 0), ("W", 0, 1)]}
+    assert memory_peak(order, 1.0) == {0: 2.0} == {0: float(peak_in_flight(order)[0])}
+    assert memory_peak(order, 0.5) == {0: 1.5}
+    assert memory_peak(order, 0.0) == {0: 1.0}
+    v = {0: [("F", 0, 0), ("F", 1, 0), ("I", 1, 0), ("I", 0, 0), ("W", 1, 0), ("W", 0, 0)]}
+    assert memory_peak(v, 1.0, stages_per_rank=2) == {0: 1.0}  # two half stages of one rank
+
+
+def test_less_weight_memory_never_hurts_and_the_json_has_the_peak_in_those_units():
+    r1 = search(4, 8, UNIT, memory_limit=3, weight_memory=1.0)
+    r_half = search(4, 8, UNIT, memory_limit=3, weight_memory=0.5)
+    assert max(r_half.peak.values()) <= 3 and r_half.period <= r1.period
+    data = r_half.to_json()
+    assert data["weight_memory"] == 0.5 and max(data["peak"].values()) <= 3
+    assert {"bound", "gap", "objective"} <= set(data) and data["bound"] <= data["value"] + 1e-9
+
+
+def test_the_papers_memory_model_comes_from_its_formulas():
+    """R = M_W / M_B = 32h / (34h + 5as) with the paper's Table 4 sizes (s = 1024)."""
+    assert paper.weight_memory("1.5B") == pytest.approx(32 * 2304 / (34 * 2304 + 5 * 24 * 1024))
+    assert paper.weight_memory("6.2B") == pytest.approx(0.4324, abs=1e-4)
+    assert set(paper.MODELS) == {s.model for s in paper.SETTINGS}
+
+
+def test_v_placement_at_1f1b_memory_is_no_slower_than_zbv():
+    """Two stages per rank (torch's V: rank r holds r and 2P-1-r), F=I=W=1 per full stage (0.5 per
+    half), 1F1B's memory (P stage microbatches; ZBVZeroBubble's own peak): makespan <= ZBV's 25.5."""
+    half = Cost(F=0.5, I=0.5, W=0.5)
+    zbv = simulate("ZBVZeroBubble", 4, 8, 2, half)
+    r = search(4, 8, half, memory_limit=4, stages_per_rank=2, objective="makespan")
+    assert r.makespan <= zbv.metrics()["makespan"] == 25.5
+    assert max(r.peak.values()) <= 4 and check_order(r.order, 8, 8) == []
+    assert all(sorted({s for _, s, _ in acts}) == [rk, 7 - rk] for rk, acts in r.order.items())
+
+
+def test_theory_json_has_each_schedules_peak():
+    from labkit.theory import theory_json
+    half = Cost(F=0.5, I=0.5, W=0.5, B=1)
+    assert theory_json(simulate("ZBVZeroBubble", 4, 8, 2, half))["peak"] == {str(r): 4.0 for r in range(4)}
+    assert theory_json(simulate("1F1B", 4, 8, 1, Cost(F=1, B=2)))["peak"] == {"0": 4.0, "1": 3.0, "2": 2.0, "3": 1.0}
+
+
+def test_the_exact_model_proves_its_bound_and_never_loses_to_its_seed():
+    """CP-SAT (OR-Tools, the `search` extra), P=3, M=4, unequal costs: the answer is valid, within
+    memory, no worse than the list scheduler's, and at or above the solver's proven bound."""
+    pytest.importorskip("ortools", reason="the exact model needs OR-Tools: pip install 'labkit[search]'")
+    c = Cost(F=1, I=2, W=1, p2p=0.5)
+    seed = search(3, 4, c, memory_limit=3, objective="makespan")
+    r = search(3, 4, c, memory_limit=3, objective="makespan", time_limit=10)
+    assert check_order(r.order, 3, 4) == [] and max(r.peak.values()) <= 3
+    assert r.makespan <= seed.makespan + 1e-9
+    assert r.bound <= r.makespan + 1e-9 and r.bound >= lower_bound(3, 4, c) - 1e-9
+    assert r.solver["status"] in ("OPTIMAL", "FEASIBLE") and r.gap >= 0
+    assert simulate_order(r.order, 3, 4, c).metrics()["makespan"] == pytest.approx(r.makespan)
+
+
+def test_the_exact_model_without_ortools_says_how_to_install_it(monkeypatch):
+    import builtins
+    from labkit.config import ConfigError
+    real = builtins.__import__
+
+    def no_ortools(name, *a, **k):
+        if name.startswith("ortools"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_ortools)
+    with pytest.raises(ConfigError, match=r"labkit\[search\]"):
+        search(2, 2, UNIT, memory_limit=2, time_limit=1)
+
+
+def test_v_at_half_memory_beats_1f1b_with_the_exact_model():
+    """V placement at half of 1F1B's memory (2 stage microbatches per rank): the exact model's order
+    is faster than 1F1B with twice the memory (33) and holds the limit."""
+    pytest.importorskip("ortools", reason="the exact model needs OR-Tools: pip install 'labkit[search]'")
+    half = Cost(F=0.5, I=0.5, W=0.5)
+    r = search(4, 8, half, memory_limit=2, stages_per_rank=2, objective="makespan", time_limit=20)
+    assert max(r.peak.values()) <= 2 and check_order(r.order, 8, 8) == []
+    assert r.makespan < simulate("1F1B", 4, 8, 1, Cost(F=1, B=2)).metrics()["makespan"] == 33
+
+
+def test_a_searched_v_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(tmp_path):
+    """A V order (list scheduler, half of 1F1B's memory) as torch's CSV through `labkit run
+    --schedule ZBVZeroBubble --stages-per-rank 2 --schedule-csv` on 4 ranks: matches the unsplit model."""
+    r = search(4, 8, Cost(F=0.5, I=0.5, W=0.5), memory_limit=2, stages_per_rank=2)
+    out = tmp_path / "v.csv"
+    out.write_text(r.csv())
+    run = tmp_path / "run"
+    p = subprocess.run(labkit_cli("run", "--schedule", "ZBVZeroBubble", "--stages-per-rank", "2", "--nproc", "4",
+                                  "--microbatches", "8", "--preset", "tiny", "--schedule-csv", str(out), "--quiet",
+                                  "--stream", "none", "--out", str(run)),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["reference_match"] is True and result["runtime"].endswith("_PipelineScheduleRuntime")
+    assert result["order"] == {str(k): row.split(",") for k, row in enumerate(r.csv().splitlines())}
