@@ -119,7 +119,8 @@ def memory_peak(order, weight_memory: float = 1.0, stages_per_rank: int = 1) -> 
         for kind, _s, _mb in acts:
             held += delta.get(kind, 0.0)
             top = max(top, held)
-        peak[rank] = round(top, 9)
+        top = round(top, 9)
+        peak[rank] = int(top) if top == int(top) else top  # whole microbatches print as before (4, not 4.0)
     return peak
 
 
