@@ -101,7 +101,26 @@ def _unit_modules(cfg, model, full):
 def measure_units(cfg, model=None, full=None, repeats: int = 7, device="cpu") -> tuple[list[float], list[int]]:
     """Forward+backward seconds (fastest of `repeats`, after one warm-up) and saved activation bytes of
     each unit on one microbatch, on `device` (a GPU's time is taken after synchronizing). `model`: the
-    job's adapter (labkit.models.adapter)."""
+    job's adapter (labkit.models.adapter).
+
+    On the CPU it measures with ONE intra-op thread, as the kit's ranks compute (labkit launch sets
+    OMP_NUM_THREADS=1). With several threads every small op waits for its slowest thread, and on a
+    busy machine that wait, not the work, is what gets measured: a block of many small ops then looked
+    as slow as the wide_vocab output layer (head / median block 1.84 with 2 threads against 9 to 11
+    with one, both beside other jobs at load average 15)."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return _measure_units(cfg, model, full, repeats, device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_units(cfg, model, full, repeats, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_units(cfg, model, full, repeats: int, device) -> tuple[list[float], list[int]]:
     import torch
     import torch.nn as nn
 
