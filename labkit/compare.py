@@ -2,7 +2,8 @@
 
 `measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06
 use: the measured timeline (spans where the run has them, else the PP logs or profiler traces), and the ideal timeline of
-the same schedule with costs fitted from the measurement, with both bubble numbers.
+the same schedule with costs fitted from the measurement, stage by stage (the ideal of THIS step), with both
+bubble numbers and the ideal with one cost per kind beside it.
 """
 
 from __future__ import annotations
@@ -178,10 +179,27 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
 
 
 def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
+    """The schedule's ideal with THIS step's costs: each stage's own mean F, B, I, W (`fit_stage_costs`),
+    so uneven stages stay uneven in the ideal; `meta["cost_spread"]` says how far the stages differ."""
+    from .theory import fit_stage_costs, simulate
+
+    costs = fit_stage_costs(tl)
+    return _fitted(simulate(shape.schedule, shape.pp_size, shape.n_microbatches, shape.stages_per_rank, costs), costs)
+
+
+def _fitted(ideal: Timeline, costs) -> Timeline:
+    ideal.meta["costs"] = "fitted per stage"  # the plots' titles say so, with the spread
+    ideal.meta["cost_spread"] = costs.spread_text()
+    return ideal
+
+
+def uniform_ideal(tl: Timeline, shape: Shape) -> Timeline:
+    """The schedule's ideal with one cost per kind (the mean over all stages: `fit_cost`), what the
+    closed forms assume; `fitted_ideal` is this step's own."""
     from .theory import fit_cost, simulate
 
     ideal = simulate(shape.schedule, shape.pp_size, shape.n_microbatches, shape.stages_per_rank, fit_cost(tl))
-    ideal.meta["costs"] = "fitted"  # the plots' titles say so
+    ideal.meta["costs"] = "fitted"
     return ideal
 
 
@@ -200,11 +218,10 @@ def _run_order(path) -> dict | None:
 def order_ideal(tl: Timeline, order: dict) -> Timeline:
     """The ideal of a run whose order was given (--schedule-csv, labkit search): that order simulated
     with the costs fitted to the measurement (the search's prediction at the measured costs)."""
-    from .theory import fit_cost, simulate_order
+    from .theory import fit_stage_costs, simulate_order
 
-    ideal = simulate_order(order, cost=fit_cost(tl), meta={"schedule": "order from --schedule-csv"})
-    ideal.meta["costs"] = "fitted"
-    return ideal
+    costs = fit_stage_costs(tl)
+    return _fitted(simulate_order(order, cost=costs, meta={"schedule": "order from --schedule-csv"}), costs)
 
 
 def measured_vs_ideal(path, source: str = "auto") -> tuple[Timeline, Timeline, dict]:
@@ -245,7 +262,10 @@ def pipelines_vs_ideal(measured: Timeline, run_dir=None) -> list[tuple[Timeline,
                    "stages_per_rank": shape.stages_per_rank, "source": part.source,
                    "measured_bubble_fraction": m["bubble_fraction"], "ideal_bubble_fraction": i["bubble_fraction"],
                    "measured_bubble_ratio": m["bubble_ratio"], "ideal_bubble_ratio": i["bubble_ratio"],
-                   "measured_makespan": m["makespan"], "ideal_makespan": i["makespan"]}
+                   "measured_makespan": m["makespan"], "ideal_makespan": i["makespan"],
+                   "cost_spread": ideal.meta.get("cost_spread", "")}
+        if order is None:  # the same schedule with one cost per kind: what the closed forms describe
+            summary["uniform_ideal_bubble_fraction"] = uniform_ideal(part, shape).metrics()["bubble_fraction"]
         if len(measured.pipelines) > 1:
             summary = {"pipeline": index, "ranks": list(ranks), **summary}
         views.append((part, ideal, summary))

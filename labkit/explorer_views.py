@@ -197,7 +197,8 @@ def measured_view(run_dir, png: bool = True) -> dict:
         f"<span class='pplab-measured-fraction'>bubble_fraction <b>{mm['bubble_fraction']:.1%}</b></span> "
         f"(idle share of wall time), bubble_ratio <b>{mm['bubble_ratio']:.2f}</b> (idle / busy), "
         f"makespan {mm['makespan'] * 1e3:.1f} ms.",
-        f"<b>Ideal with the measured mean costs</b> ({costs}, no p2p latency): bubble_fraction "
+        f"<b>Ideal with each stage's measured mean costs</b> (over all stages {costs}; "
+        f"{html.escape(ideal.meta.get('cost_spread', ''))}; no p2p latency): bubble_fraction "
         f"<b>{im['bubble_fraction']:.1%}</b>, bubble_ratio <b>{im['bubble_ratio']:.2f}</b>, "
         f"makespan {im['makespan'] * 1e3:.1f} ms.",
     ]

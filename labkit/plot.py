@@ -62,8 +62,9 @@ def _default_title(timeline: Timeline) -> str:
     what = {"theory": "ideal", "profiler": "measured (profiler trace)", "spans": "measured (spans)"}.get(
         timeline.source, "measured (torch's logs)")
     if timeline.source == "theory":
-        what = ("ideal (simulated, costs fitted to the measured run)" if meta.get("costs") == "fitted"
-                else "ideal (simulated)")
+        what = {"fitted": "ideal (simulated, costs fitted to the measured run)",
+                "fitted per stage": "ideal (simulated, each stage's costs fitted to the measured step)"}.get(
+            meta.get("costs"), "ideal (simulated)")
     name = meta.get("schedule")
     if name:
         try:  # logs name the class (ScheduleDualPipeV); the kit's short name reads better
@@ -75,6 +76,8 @@ def _default_title(timeline: Timeline) -> str:
         parts.append(f"pp_size={meta['pp_size']}")
     if meta.get("n_microbatches"):
         parts.append(f"{meta['n_microbatches']} microbatches")
+    if meta.get("cost_spread"):  # how far the stages of the measured step differ
+        return ", ".join(parts) + f"\n{meta['cost_spread']}"
     return ", ".join(parts)
 
 

@@ -19,7 +19,9 @@ def test_measured_bubble_matches_theory_at_pp2(schedule, runs):
     assert r.ok and r.result["reference_match"] is True
     measured, ideal, s = measured_vs_ideal(r.run_dir)
     closed = closed_form_bubble(2, 4)
-    assert abs(s["ideal_bubble_fraction"] - closed) < 0.01
+    assert abs(s["uniform_ideal_bubble_fraction"] - closed) < 0.01  # one cost per kind: the closed form
+    # the ideal of this step fits each stage's own sleeps (equal by design, a few % apart under load)
+    assert abs(s["ideal_bubble_fraction"] - closed) <= 0.05, s
     assert abs(s["measured_bubble_fraction"] - closed) <= 0.05, s
     assert measured.counts() == ideal.counts()
 

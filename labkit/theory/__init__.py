@@ -7,7 +7,7 @@ are written and checked, are `labkit.orders`. Taught in notebooks 03, 04-06, 08 
 """
 
 from ..orders import ScheduleError, check_order
-from .cost import Cost, closed_form_bubble, fit_cost
+from .cost import Cost, StageCosts, closed_form_bubble, fit_cost, fit_stage_costs
 from .plans import planned_actions
 from .search import SearchResult, search
 from .simulate import ScheduleDeadlock, simulate, simulate_order, theory_json
@@ -22,6 +22,8 @@ __all__ = [
     "simulate_order",
     "closed_form_bubble",
     "fit_cost",
+    "fit_stage_costs",
+    "StageCosts",
     "theory_json",
     "search",
     "SearchResult",

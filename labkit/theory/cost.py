@@ -119,6 +119,50 @@ class Cost:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class StageCosts:
+    """One `Cost` per stage: the ideal of a step whose stages differ, e.g. a measured step fitted stage
+    by stage (`fit_stage_costs`: a learner's backwards of 8 ms on stage 0 and 28 ms on stage 3 stay
+    so). `simulate` and `simulate_order` take it wherever they take a `Cost`; a stage it lacks costs
+    `default`."""
+
+    stages: tuple
+    """((stage, Cost), ...), by stage."""
+    default: Cost
+    """The cost of a stage not in `stages` (the fit over all stages, one cost per kind)."""
+    p2p: float = 0.0
+    """Latency between a stage's output and the dependent action on ANOTHER rank."""
+    unit: str = "s"
+
+    def cost(self, stage: int) -> Cost:
+        return dict(self.stages).get(stage, self.default)
+
+    def duration(self, kind: str, stage: int | None = None) -> float:
+        """Duration of one action of `kind` on `stage` (the default cost without a stage)."""
+        return (self.default if stage is None else self.cost(stage)).duration(kind)
+
+    def spread(self) -> dict[str, tuple[float, float]]:
+        """{kind: (shortest, longest) over the stages} for F, B, I, W."""
+        out = {}
+        for k in COMPUTE_KINDS:
+            values = [c.duration(k) for _, c in self.stages]
+            if values:
+                out[k] = (min(values), max(values))
+        return out
+
+    def spread_text(self, kinds=("F", "B", "I", "W")) -> str:
+        """e.g. 'per stage: F 9-10 ms, B 8-28 ms' (ms for seconds, else the unit)."""
+        scale, unit = (1e3, " ms") if self.unit == "s" else (1.0, f" {self.unit}")
+        parts = [f"{k} {lo * scale:.3g}-{hi * scale:.3g}{unit}" if not math.isclose(lo, hi, rel_tol=5e-3)
+                 else f"{k} {lo * scale:.3g}{unit}" for k, (lo, hi) in self.spread().items() if k in kinds]
+        return "per stage: " + ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        """The default (one cost per kind) with each stage's own under "per_stage"."""
+        return {**self.default.to_dict(), "p2p": float(self.p2p), "unit": self.unit,
+                "per_stage": {str(s): c.to_dict() for s, c in self.stages}}
+
+
 def closed_form_bubble(pp_size: int, n_microbatches: int, definition: str = "fraction") -> float:
     """GPipe / 1F1B bubble with equal stages and no p2p latency.
 
@@ -172,3 +216,14 @@ def fit_cost(timeline: Timeline, p2p: float = 0.0) -> Cost:
     else:
         values["unit"] = "s"
     return Cost(**values)
+
+
+def fit_stage_costs(timeline: Timeline, p2p: float = 0.0) -> StageCosts:
+    """`fit_cost` stage by stage: each stage's mean F, B, I, W, so the ideal drawn from them is the
+    ideal of THIS step (uneven stages stay uneven), with the fit over all stages as the default.
+    `StageCosts.spread()` says how far the stages differ. `%%ranks --timeline`, notebooks 04-06."""
+    default = fit_cost(timeline, p2p)
+    comp = timeline.compute()
+    stages = tuple((s, fit_cost(Timeline([a for a in comp if a.stage == s], timeline.source, timeline.meta), p2p))
+                   for s in sorted({a.stage for a in comp}))
+    return StageCosts(stages, default, p2p, default.unit)

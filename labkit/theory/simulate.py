@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..orders import PlannedAction, ScheduleError, check_order, describe, normalize_order
 from ..timeline import Action, Timeline
-from .cost import Cost
+from .cost import Cost, StageCosts
 from .plans import planned_actions, resolve, torch_version
 
 
@@ -41,7 +41,7 @@ def _dependencies(a: PlannedAction, n_stages: int) -> list[tuple[PlannedAction, 
 
 
 def simulate_order(order, n_stages: int | None = None, n_microbatches: int | None = None,
-                   cost: Cost | str = Cost(), *, meta: dict | None = None,
+                   cost: Cost | StageCosts | str = Cost(), *, meta: dict | None = None,
                    not_before: dict[PlannedAction, float] | None = None) -> Timeline:
     """Simulate a hand-written (or planned) order: `{rank: [(kind, stage, microbatch), ...]}`.
 
@@ -87,7 +87,7 @@ def simulate_order(order, n_stages: int | None = None, n_microbatches: int | Non
                 if ready is None:
                     break
                 start = max(free[r], ready, not_before.get(a, 0.0) if not_before else 0.0)
-                end = start + cost.duration(a[0])
+                end = start + (cost.duration(a[0], a[1]) if isinstance(cost, StageCosts) else cost.duration(a[0]))
                 done[a] = end
                 free[r] = end
                 actions.append(Action(r, a[1], a[2], a[0], start, end))
@@ -136,10 +136,10 @@ def _deadlock(norm, stuck: dict[int, int], done, position, n_stages: int) -> Sch
 
 
 def simulate(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int | None = None,
-             cost: Cost | str = Cost()) -> Timeline:
+             cost: Cost | StageCosts | str = Cost()) -> Timeline:
     """The ideal timeline of a torch schedule under `cost` (source "theory"). Notebooks 03 and 06.
 
-    Costs are per action of ONE stage. Cutting the same model into more stages makes each stage
+    Costs are per action of ONE stage (a `StageCosts` gives each stage its own). Cutting the same model into more stages makes each stage
     cheaper: to compare schedules at equal model size, divide F and B by `stages_per_rank`
     (e.g. Interleaved1F1B with 2 stages per rank: `Cost(F=0.5, B=1)` against GPipe's `Cost(F=1, B=2)`).
     """
