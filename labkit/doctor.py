@@ -9,7 +9,8 @@ import platform
 from .versions import RANGES, SUPPORTED, range_problem, text
 
 LAB_PACKAGES = ("jupyterlab", "ipywidgets", "matplotlib", "nbval", "psutil", "numpy")
-OPTIONAL = {"transformers": "pip install -e '.[models]' (or: pip install 'transformers>={floor}')"}
+OPTIONAL = {"transformers": "pip install -e '.[models]' (or: pip install 'transformers>={floor}')",
+            "ortools": "pip install -e '.[search]' (or: pip install 'ortools>={floor}')"}
 """Not needed by every lesson: missing is a warning, with the command that installs it."""
 
 

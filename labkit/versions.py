@@ -51,6 +51,7 @@ class Range:
 RANGES = {r.name: r for r in (
     Range("torch", "2.11", "2.15", "everything"),
     Range("transformers", "5.23", "5.24", "notebook 11 and `labkit run --model` (the models extra)"),
+    Range("ortools", "9.15.6755", "9.15", "the exact schedule search (`labkit search --time-limit`; the search extra)"),
     Range("numpy", None, "2.5", "the kit"),
     Range("matplotlib", None, "3.11", "every plot"),
     Range("psutil", None, "7.2", "the launcher"),

@@ -4,7 +4,7 @@ Owns how `scripts/dev.py` builds a virtual environment (standard library only: i
 anything is installed):
 
 - the locks, `requirements/lab-torch<X.Y>.txt`, made by `uv pip compile` from pyproject.toml (extras
-  lab, test, models) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
+  lab, test, models, search) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
   main environment `.venv` gets torch 2.15.0's lock (the newest release of everything), `dev.py test`'s
   second leg the floors lock, torch 2.11.0's (torch-2.11.in pins every package that has a floor at it,
   e.g. transformers 5.23.0; labkit/versions.py declares the ranges).
@@ -35,7 +35,7 @@ REQUIREMENTS = ROOT / "requirements"
 MIN_PYTHON = (3, 11)  # torch 2.15.0 publishes wheels for 3.11+ only; the lock is resolved for 3.11+
 SUPPORTED_TORCH = ((2, 11), (2, 15))  # = labkit.versions.SUPPORTED; this file cannot import labkit
 SUPPORTED_RANGE = "torch>=2.11,<2.16"
-EXTRAS = "lab,test,models"  # what the lab and its tests use; every one is in the locks
+EXTRAS = "lab,test,models,search"  # what the lab and its tests use; every one is in the locks
 
 
 class SetupError(Exception):

@@ -5,7 +5,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name
+CONDA_NAMES = {"torch": "pytorch", "ortools": "ortools-python"}  # pip name -> conda-forge name
 
 
 def _name(req: str) -> str:
