@@ -5,9 +5,12 @@
     run.result["reference_match"]
 """
 
-from .config import PRESETS, SCHEDULES, ConfigError, RunConfig
-from .launch import LaunchError, Run, launch, run
-from .explorer import explorer
+from .config.presets import PRESETS
+from .schedules.table import SCHEDULES
+from .core.errors import ConfigError
+from .config.run import RunConfig
+from .launching.launch import LaunchError, Run, launch, run
+from .notebook.explorer import explorer
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "explorer", "launch", "run"]
@@ -17,7 +20,7 @@ __all__ += ["Ranks", "RanksError"]  # live ranks: labkit.Ranks(nproc=2), and %%r
 
 def __getattr__(name):
     # Imported when first used: `import labkit` runs in every torchrun agent of this environment
-    # (torch loads the kit's rendezvous plugin, labkit.rendezvous) and in `labkit launch`, which need
+    # (torch loads the kit's rendezvous plugin, labkit.launching.rendezvous) and in `labkit launch`, which need
     # neither the live ranks nor what they import.
     if name in ("Ranks", "RanksError", "ranks"):
         from importlib import import_module  # not `from . import ranks`: that asks this hook again

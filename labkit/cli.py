@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, field_docs
+from .core.errors import ConfigError
+from .config.run import RunConfig, field_docs
 
 
 def config_flags(p: argparse.ArgumentParser, cls=RunConfig) -> None:
@@ -71,7 +72,7 @@ def _add_launch(sub) -> None:
 
 
 def _add_common(p) -> None:
-    from .launch import DEFAULT_TIMEOUT_S
+    from .launching.launch import DEFAULT_TIMEOUT_S
 
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline for the whole job in seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none); "
@@ -90,7 +91,7 @@ def _nodes(a) -> dict:
 
 
 def cmd_run(a) -> int:
-    from .launch import LaunchError, run
+    from .launching.launch import LaunchError, run
 
     per_node = a.pp_size if a.pp_size is not None else RunConfig.pp_size
     cfg = config_from_flags(a, pp_size=per_node * a.nnodes)  # --nproc is ranks per node
@@ -108,7 +109,7 @@ def cmd_run(a) -> int:
 
 
 def cmd_launch(a) -> int:
-    from .launch import LaunchError, launch
+    from .launching.launch import LaunchError, launch
 
     args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
     try:
@@ -135,14 +136,14 @@ def cmd_doctor(a) -> int:
 
 
 def cmd_clean(a) -> int:
-    from .clean import clean, describe
+    from .launching.clean import clean, describe
 
     print(describe(clean(all_jobs=a.all)))
     return 0
 
 
 def cmd_slurm(a) -> int:
-    from .slurm import slurm_script
+    from .launching.slurm import slurm_script
 
     kit_args = a.kit_args[1:] if a.kit_args[:1] == ["--"] else a.kit_args
     text = slurm_script(kit_args, nodes=a.nodes, gpus_per_node=a.gpus_per_node, job_name=a.job_name,
@@ -158,11 +159,11 @@ def cmd_slurm(a) -> int:
 
 
 def cmd_timeline(a) -> int:
-    from .compare import load_timeline, with_pipelines
+    from .timeline.compare import load_timeline, with_pipelines
 
     tl = with_pipelines(load_timeline(a.paths, a.source), a.paths[0] if len(a.paths) == 1 else None)
     if a.perfetto:
-        from .trace import write_chrome_trace
+        from .timeline.perfetto import write_chrome_trace
 
         write_chrome_trace(tl, a.perfetto)
         print(f"wrote {a.perfetto} (open it in ui.perfetto.dev)", file=sys.stderr)
@@ -172,14 +173,14 @@ def cmd_timeline(a) -> int:
         matplotlib.use("Agg")
 
         if len(a.paths) == 1:  # one measured step above its fitted ideal; one pair per pipeline (pp x dp)
-            from .compare import measured_vs_ideal_by_pipeline
-            from .plot import plot_pipelines
+            from .timeline.compare import measured_vs_ideal_by_pipeline
+            from .timeline.plot import plot_pipelines
 
             fig = plot_pipelines(measured_vs_ideal_by_pipeline(a.paths[0], a.source))
         else:
             import matplotlib.pyplot as plt
 
-            from .plot import plot_timeline
+            from .timeline.plot import plot_timeline
 
             fig, ax = plt.subplots(figsize=(12, 3 + 0.4 * len(tl.ranks)))
             plot_timeline(ax, tl)
@@ -206,8 +207,8 @@ def cmd_timeline(a) -> int:
 
 def _pipelines_json(tl, path, source: str) -> list[dict]:
     """Per pipeline: its ranks, its metrics (the same steps as the whole timeline's) and, for a run
-    directory, its last step beside its own fitted ideal (`labkit.compare.measured_vs_ideal_by_pipeline`)."""
-    from .compare import measured_vs_ideal_by_pipeline
+    directory, its last step beside its own fitted ideal (`labkit.timeline.compare.measured_vs_ideal_by_pipeline`)."""
+    from .timeline.compare import measured_vs_ideal_by_pipeline
 
     vs_ideal = []
     if path is not None and Path(path).is_dir():
@@ -235,7 +236,7 @@ def cmd_theory(a) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from .plot import plot_timeline
+        from .timeline.plot import plot_timeline
 
         fig, ax = plt.subplots(figsize=(12, 2 + 0.5 * a.pp_size))
         plot_timeline(ax, tl)
@@ -255,7 +256,7 @@ def cmd_search(a) -> int:
     from .theory.search import search, zb_h1_makespan
 
     if a.cost_from:
-        from .compare import load_timeline
+        from .timeline.compare import load_timeline
 
         cost = fit_cost(load_timeline(a.cost_from), p2p=a.comm or 0.0)
         print(f"costs fitted from {a.cost_from}: F={cost.F:.4g} I={cost.input_grad:.4g} W={cost.weight_grad:.4g} "

@@ -123,7 +123,7 @@ def _on_off_pairs(step_times: list[float], on: list[bool], skip: int = 2) -> lis
 
 def _reference_launch(cfg, runs_root, job_args=(), **run_kw):
     """One quiet run of the kit's reference job (`labkit.run`) for `cfg`, whatever it ends with."""
-    from labkit.launch import run
+    from labkit.launching.launch import run
 
     return run(cfg, job_args=job_args, runs_root=runs_root, **{"progress": False, "stream": "none", "check": False, **run_kw})
 
@@ -136,7 +136,7 @@ def _reference_job(cfg, pp_logs: bool, extra: list[str]) -> dict:
 
 def _capture_config(preset: str, steps: int):
     """The capture and profiler benchmarks' job: 1F1B, 2 ranks, 4 microbatches."""
-    from labkit.config import RunConfig
+    from labkit.config.run import RunConfig
 
     return RunConfig(schedule="1F1B", pp_size=2, n_microbatches=4, preset=preset, steps=steps)
 
@@ -183,8 +183,8 @@ def spans_within_jobs(n: int = 3, steps: int = 80, preset: str = "small") -> dic
 
 
 def worker_pairs(step: int) -> bool:
-    """The step pairing of the in-job A/B (labkit.worker.pp_logs_on_step), for the A/A control."""
-    from labkit.worker import pp_logs_on_step
+    """The step pairing of the in-job A/B (labkit.worker.distributed.pp_logs_on_step), for the A/A control."""
+    from labkit.worker.distributed import pp_logs_on_step
 
     return pp_logs_on_step(step)
 
@@ -212,7 +212,7 @@ def capture_overhead(n: int = 3, steps: int = 80, preset: str = "small", between
 def _readings(run_dir) -> dict:
     """One profiled run's last step read by every instrument: bubble fraction from spans, the profiler,
     and the three log readings (raw: waits folded into the next action; split; trimmed)."""
-    from labkit.compare import load_timeline, one_step
+    from labkit.timeline.compare import load_timeline, one_step
     from labkit.logs import timeline_from_path
 
     spans = load_timeline(run_dir, "spans")
@@ -234,7 +234,7 @@ def instrument_fidelity(steps: int = 3) -> list[dict]:
     (1F1B and Interleaved1F1B, `labkit run --profile`) and a learner-sized MLP (scripts/mlp_pipeline.py,
     hidden 256 and 4096, through `labkit launch`), each one profiled job: every reading of its last step."""
     from labkit import RunConfig
-    from labkit.launch import launch
+    from labkit.launching.launch import launch
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,9 +267,10 @@ def _instrument_rows(rows: list[dict] | None) -> list[str]:
 def fidelity(shapes=((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)), schedules=("GPipe", "1F1B"),
              fwd_ms: float = 30, bwd_ms: float = 60) -> list[dict]:
     """Measured (spans, the kit's default reading) vs ideal (closed form) bubble on the controlled workload."""
-    from labkit.compare import measured_vs_ideal
+    from labkit.timeline.compare import measured_vs_ideal
     from labkit.theory import closed_form_bubble
-    from labkit.workload import WorkloadConfig, run_controlled
+    from labkit.models.workload import WorkloadConfig
+    from labkit.launching.controlled import run_controlled
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -337,9 +338,9 @@ def parser_throughput(sizes=(10_000, 100_000, 1_000_000), repeats: int = 3) -> d
 
 # Live ranks: the same 1F1B step (tiny preset, 2 ranks) as a cell on a warm pool and as a fresh job.
 LIVE_SETUP = textwrap.dedent("""
-    from labkit.config import RunConfig
-    from labkit.model import build_model, make_batch, tokenwise_loss_fn
-    from labkit.stages import build_schedule, build_stages
+    from labkit.config.run import RunConfig
+    from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
+    from labkit.worker.stages import build_schedule, build_stages
     cfg = RunConfig(schedule="1F1B", pp_size=world_size, n_microbatches=4, preset="tiny")
     full = build_model(cfg)
     stages, _ = build_stages(cfg, full, rank, device)
@@ -362,8 +363,8 @@ def live_ranks(n: int = 5, round_trips: int = 50) -> dict:
     """A 1F1B step sent as a cell to 2 warm ranks vs the same code as a fresh `labkit launch` job, end to
     end: from sending the code to having its output and its measured timeline back. Interleaved pair by
     pair. Also an empty cell's round trip."""
-    from labkit.compare import load_timeline
-    from labkit.launch import launch
+    from labkit.timeline.compare import load_timeline
+    from labkit.launching.launch import launch
     from labkit.ranks import Ranks
 
     expected = {(s, k): 4 for s in (0, 1) for k in ("F", "B")}
@@ -414,8 +415,8 @@ def gpu(schedules=("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBV
 
     if not torch.cuda.is_available():
         return None
-    from labkit.config import RunConfig
-    from labkit.launch import run
+    from labkit.config.run import RunConfig
+    from labkit.launching.launch import run
 
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "schedules": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -444,12 +445,12 @@ def tutorial_vs_kit(sizes: str = "small", steps: int = 10, n: int = 3, device: s
     """Median step time of the kit's reference job over the official tutorial's program as written.
 
     Same work on both sides: 2 ranks, the manual split in halves, GPipe over 4 microbatches, the
-    tutorial's layout and sizes (`sizes`: a preset name). Both go through `labkit.launch` without
+    tutorial's layout and sizes (`sizes`: a preset name). Both go through `labkit.launching.launch` without
     PP log capture, so the ratio is the scripts' difference alone. Step 1 of each run is left out.
     device "cpu" hides GPUs from both (the tutorial picks `cuda:{rank}` whenever CUDA is there).
     """
-    from labkit.config import RunConfig
-    from labkit.launch import launch
+    from labkit.config.run import RunConfig
+    from labkit.launching.launch import launch
 
     cfg = RunConfig(schedule="GPipe", pp_size=2, n_microbatches=4, preset=sizes, layout="tutorial",
                     split="manual", steps=steps, device=device)

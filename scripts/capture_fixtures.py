@@ -6,8 +6,8 @@
 
 Two kinds of capture, one job at a time (a 2-core laptop runs 4 ranks slowly but fine):
 
-- `labkit` format: the kit's own launcher (`labkit.launch.run`, i.e. `labkit run ...`), which sets
-  TORCH_LOGS=+pp and TORCH_LOGS_FORMAT=labkit.launch.PP_LOG_FORMAT and has torchrun write one
+- `labkit` format: the kit's own launcher (`labkit.launching.launch.run`, i.e. `labkit run ...`), which sets
+  TORCH_LOGS=+pp and TORCH_LOGS_FORMAT=labkit.launching.launch.PP_LOG_FORMAT and has torchrun write one
   stderr.log per rank. We keep torchrun's layout, with the random run id renamed `run`:
   `<name>/logs/run/attempt_0/<rank>/stderr.log`, so `labkit.logs.parse_run_dir(<name>)` reads a fixture
   exactly as it reads a real run directory.
@@ -45,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from labkit.config import RunConfig  # noqa: E402
+from labkit.config.run import RunConfig  # noqa: E402
 
 GZIP_ABOVE = 16_000  # bytes: bigger logs are stored gzipped (labkit.logs reads .gz); fixtures stay < 5 MB
 
@@ -105,7 +105,7 @@ def _store(src: Path, dst: Path) -> Path:
 
 
 def capture_labkit(c: Capture, dest: Path) -> dict:
-    from labkit.launch import run
+    from labkit.launching.launch import run
 
     cfg = RunConfig(schedule=c.schedule, pp_size=c.nproc, n_microbatches=c.microbatches, split="manual",
                     preset="tiny", steps=c.steps, inference=c.inference)

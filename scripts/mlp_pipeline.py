@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from labkit import worker
+from labkit.worker import distributed as worker
 
 
 def main() -> int:

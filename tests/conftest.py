@@ -52,7 +52,7 @@ def run_suite(root: Path, name: str, cfgs: dict, nproc: int) -> dict:
     Returns {key: that run's result.json, or None} and the job's Run under "__job__"."""
     import json
 
-    from labkit.launch import REFERENCE_JOB, launch
+    from labkit.launching.launch import REFERENCE_JOB, launch
 
     items = [{"config": c.to_dict(), "out": str(root / name / str(i))} for i, c in enumerate(cfgs.values())]
     spec = root / f"{name}.json"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.worker import pp_logs_on_step
+from labkit.worker.distributed import pp_logs_on_step
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def test_on_off_pairs_put_the_logging_step_on_top_whatever_the_order():
 def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
     """The in-job capture A/B is real: the rank logs hold the PP lines of the logging steps only
     (steps 0 and 3 of 4: 2 steps x 4 microbatches forwards per stage), and step times for all."""
-    from labkit.config import RunConfig
+    from labkit.config.run import RunConfig
     from labkit.logs import timeline_from_path
     from labkit.spans import timeline_from_spans
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from labkit.config import SCHEDULES, ConfigError, RunConfig, layer_bounds, schedule_info, stage_placement
+from labkit.schedules.table import SCHEDULES, layer_bounds, schedule_info, stage_placement
+from labkit.core.errors import ConfigError
+from labkit.config.run import RunConfig
 
 
 def test_every_schedule_has_a_valid_default():
@@ -77,7 +79,7 @@ def test_every_config_field_has_a_flag_with_its_docstring_as_help():
     import dataclasses
 
     from labkit.cli import build_parser, config_from_flags
-    from labkit.config import field_docs
+    from labkit.config.run import field_docs
 
     run_parser = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
     by_dest = {a.dest: a for a in run_parser._actions}
@@ -103,7 +105,7 @@ def test_1f1b_needs_as_many_microbatches_as_stages():
 
 
 def test_torch_older_than_the_supported_range_is_refused_with_the_fix():
-    from labkit.config import validate_torch
+    from labkit.config.run import validate_torch
 
     with pytest.raises(ConfigError, match=r"torch 2\.10\.1\+cu128 is older than 2\.11.*pip install 'torch>=2\.11'"):
         validate_torch("2.10.1+cu128")

@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 import importlib  # noqa: E402
 
 import labkit  # noqa: E402
-from labkit.config import ConfigError, RunConfig  # noqa: E402
-from labkit.explorer_views import (  # noqa: E402
+from labkit.core.errors import ConfigError  # noqa: E402
+from labkit.config.run import RunConfig  # noqa: E402
+from labkit.notebook.explorer_views import (
     DEFAULT_CONTROLS,
     history_table_html,
     measured_view,
@@ -27,12 +28,12 @@ from labkit.explorer_views import (  # noqa: E402
     theory_view,
     validate,
 )
-from labkit.launch import Run  # noqa: E402
-from labkit.compare import measured_vs_ideal  # noqa: E402
+from labkit.launching.launch import Run  # noqa: E402
+from labkit.timeline.compare import measured_vs_ideal  # noqa: E402
 from labkit.theory import Cost, fit_cost, simulate  # noqa: E402
 
-# `labkit.launch` is the launch() function (re-exported by the package); patch the module itself.
-launch_mod = importlib.import_module("labkit.launch")
+# `labkit.launching.launch` is the launch() function (re-exported by the package); patch the module itself.
+launch_mod = importlib.import_module("labkit.launching.launch")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -185,7 +186,7 @@ def test_measured_view_beside_the_fitted_ideal(tmp_path):
         assert 0 <= view[key]["bubble_fraction"] < 1 and view[key]["bubble_ratio"] >= 0
     assert "bubble_fraction" in view["html"] and "bubble_ratio" in view["html"]
     assert view["png"].startswith(PNG_MAGIC)
-    # the same as labkit.compare.measured_vs_ideal, the one owner of "measured beside its fitted ideal"
+    # the same as labkit.timeline.compare.measured_vs_ideal, the one owner of "measured beside its fitted ideal"
     measured, ideal, summary = measured_vs_ideal(run.run_dir)
     assert view["measured_metrics"] == measured.metrics() and view["ideal_metrics"] == ideal.metrics()
     assert view["cost"] == fit_cost(measured)
@@ -260,7 +261,7 @@ def no_launch(monkeypatch):
 
 
 def test_display_launches_and_prints_nothing(no_launch, capsys):
-    panel = labkit.explorer()
+    panel = labkit.notebook.explorer()
     assert isinstance(panel, widgets.VBox)
     assert repr(panel) == "PP Lab explorer (GPipe, pp_size=2, 4 microbatches): press Run to launch a job"
     bundle = panel._repr_mimebundle_()
@@ -274,7 +275,7 @@ def test_display_launches_and_prints_nothing(no_launch, capsys):
 
 
 def test_dom_hooks(no_launch):
-    panel = labkit.explorer()
+    panel = labkit.notebook.explorer()
     ex = panel.explorer
     hooks = {"pplab-explorer": panel, "pplab-run": ex.run_button, "pplab-stop": ex.stop_button,
              "pplab-status": ex.status, "pplab-timeline": ex.timeline_image, "pplab-history": ex.history,
@@ -287,7 +288,7 @@ def test_dom_hooks(no_launch):
 
 
 def test_controls_update_theory_and_validation(no_launch):
-    ex = labkit.explorer().explorer
+    ex = labkit.notebook.explorer().explorer
     ex.schedule.value = "1F1B"
     ex.n_microbatches.value = 8
     assert "Ideal 1F1B</b>, pp_size=2, 8 microbatches" in ex.theory_text.value and "11.1%" in ex.theory_text.value
@@ -318,7 +319,7 @@ def test_run_and_stop_wiring(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(launch_mod, "run", fake_run)
-    ex = labkit.explorer(runs_root=tmp_path / "runs").explorer
+    ex = labkit.notebook.explorer(runs_root=tmp_path / "runs").explorer
     ex.start()
     ex.wait(60)
     (got, progress, check, kw), = calls
@@ -356,7 +357,7 @@ def test_launcher_errors_end_in_the_status(monkeypatch):
         raise ConfigError("--device cuda with 2 ranks on this node needs 2 GPUs")
 
     monkeypatch.setattr(launch_mod, "run", refuse)
-    ex = labkit.explorer().explorer
+    ex = labkit.notebook.explorer().explorer
     ex.start()
     ex.wait(60)
     assert ex.status.value.startswith("not launched: --device cuda")
@@ -368,7 +369,7 @@ def test_launcher_errors_end_in_the_status(monkeypatch):
 
 
 def test_real_run_through_the_widget(runs):
-    ex = labkit.explorer(runs_root=runs, timeout=240, preset="tiny").explorer
+    ex = labkit.notebook.explorer(runs_root=runs, timeout=240, preset="tiny").explorer
     t0 = time.monotonic()
     ex.start()
     ex.wait(300)

@@ -7,9 +7,10 @@ identical action counts.
 
 import pytest
 
-from labkit.compare import load_timeline, measured_vs_ideal
+from labkit.timeline.compare import load_timeline, measured_vs_ideal
 from labkit.theory import closed_form_bubble
-from labkit.workload import WorkloadConfig, run_controlled
+from labkit.models.workload import WorkloadConfig
+from labkit.launching.controlled import run_controlled
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])

@@ -1,4 +1,4 @@
-"""`labkit.launch` / `labkit launch` with plain user scripts: exit codes, logs, live output, errors."""
+"""`labkit.launching.launch` / `labkit launch` with plain user scripts: exit codes, logs, live output, errors."""
 
 import json
 import subprocess
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from conftest import labkit_cli
-from labkit.config import ConfigError
-from labkit.launch import LaunchError, launch
+from labkit.core.errors import ConfigError
+from labkit.launching.launch import LaunchError, launch
 
 HELLO = textwrap.dedent("""
     import os, sys, time

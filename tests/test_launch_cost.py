@@ -2,7 +2,7 @@
 scripts/bench.py, measures the whole: <= 1.03x).
 
 - `import labkit` runs in every torchrun agent of the environment (torch loads every
-  `torchrun.handlers` plugin, the kit's labkit.rendezvous, plain `torchrun --standalone` too) and in
+  `torchrun.handlers` plugin, the kit's labkit.launching.rendezvous, plain `torchrun --standalone` too) and in
   the launcher: it must not import the live ranks, the log readers or torch;
 - the launcher looks for the job's ranks (to end them if torchrun dies) in /proc's children lists,
   a few reads per process of the job, not a walk of every process on the machine;
@@ -16,12 +16,12 @@ import time
 import psutil
 import pytest
 
-from labkit.launch import _ExitWaiter
+from labkit.launching.launch import _ExitWaiter
 from labkit.launching.processes import descendants
 
 
 def test_importing_the_kit_as_torchruns_plugin_leaves_the_heavy_parts_out():
-    code = ("import sys, labkit.rendezvous, labkit.launch; "
+    code = ("import sys, labkit.launching.rendezvous, labkit.launching.launch; "
             "print(sorted(m for m in sys.modules if m.startswith(('labkit.ranks', 'labkit.logs.', 'torch', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -1,5 +1,6 @@
-"""Who may import whom: the timeline model depends on nothing else in the kit, and code that runs
-inside a rank does not import the launcher's side."""
+"""Who may import whom: the kit's packages form layers, and no package imports one above it (every
+pair of modules is checked, lazy imports inside functions included). The layers, bottom first, are
+`LAYERS` (README, "The package"); within a package, modules import each other freely."""
 
 import ast
 from pathlib import Path
@@ -8,30 +9,118 @@ import labkit
 
 PKG = Path(labkit.__file__).parent
 
+LAYERS = (
+    ("labkit.core", "labkit.versions"),  # the shared vocabulary: imports nothing of the kit
+    ("labkit.doctor",),
+    ("labkit.logs",),
+    ("labkit.schedules",),
+    ("labkit.theory", "labkit.spans"),
+    ("labkit.config",),
+    ("labkit.worker",),
+    ("labkit.models", "labkit.parallel"),
+    ("labkit.jobs", "labkit.timeline"),
+    ("labkit.launching",),
+    ("labkit.ranks",),
+    ("labkit.notebook",),
+    ("labkit.cli",),  # the command line
+    ("labkit.__main__", "labkit"),  # `python -m labkit`, and the public API (labkit/__init__.py)
+)
+"""Each group may import the groups before it, never one after it nor a sibling of its own group."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
 
 def kit_imports(path: Path) -> set[str]:
-    """Modules of the kit that a file imports (at any depth: lazy imports inside functions count)."""
+    """Modules of the kit that a file imports (at any depth: lazy imports inside functions count);
+    `from labkit import versions` counts as labkit.versions."""
     tree = ast.parse(path.read_text())
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the file's package
-                base = path.relative_to(PKG.parent).with_suffix("").parts[:-node.level]
-                found.add(".".join([*base, *(node.module.split(".") if node.module else [])]))
-            elif node.module and node.module.startswith("labkit"):
-                found.add(node.module)
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif node.module and node.module.split(".")[0] == "labkit":
+                mod = node.module
+            else:
+                continue
+            for alias in node.names:  # `from . import worker` names a module
+                sub = f"{mod}.{alias.name}"
+                found.add(sub if (PKG.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                          or (PKG.parent / sub.replace(".", "/")).is_dir() else mod)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("labkit")}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "labkit"}
     return found
 
 
-def test_the_timeline_model_imports_nothing_of_the_kit():
-    assert kit_imports(PKG / "timeline.py") == set()
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, the unit of the layering: a subpackage or a top-level module) of a module."""
+    best = None
+    for i, group in enumerate(LAYERS):
+        for unit in group:
+            if (module == unit or (unit != "labkit" and module.startswith(unit + "."))) and (best is None or len(unit) > len(best[1])):
+                best = (i, unit)
+    assert best is not None, f"{module} is in no layer: add its package to LAYERS"
+    return best
+
+
+def every_module() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "boot" not in p.parts)
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for f in every_module():
+        me = module_name(f)
+        my_layer, my_unit = layer_of(me)
+        for other in sorted(kit_imports(f)):
+            layer, unit = layer_of(other)
+            if unit == my_unit:
+                continue
+            if layer >= my_layer:
+                wrong.append(f"{me} imports {other} ({unit}, layer {layer} >= {my_unit}'s {my_layer})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_every_package_is_placed_and_says_what_it_may_import():
+    for d in sorted(p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        name = f"labkit.{d.name}"
+        layer_of(name)
+        doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or ""
+        assert "May import" in doc, f"{name}/__init__.py: its docstring says what it owns and what it may import"
+
+
+def test_the_top_level_holds_the_entry_points_only():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 6, top
+    assert set(top) <= {"__init__.py", "__main__.py", "cli.py", "versions.py", "doctor.py", "config.py"}, top
+
+
+def test_the_shared_vocabulary_imports_nothing_of_the_kit():
+    for f in (PKG / "core").glob("*.py"):
+        assert kit_imports(f) == set(), f
 
 
 def test_code_inside_a_rank_does_not_import_the_launcher():
-    for f in (PKG / "worker.py", PKG / "spans" / "record.py", PKG / "ranks" / "rank.py"):
+    inside = [*(PKG / "worker").glob("*.py"), *(PKG / "jobs").glob("*.py"), PKG / "spans" / "record.py",
+              PKG / "ranks" / "rank.py"]
+    for f in inside:
         assert not [m for m in kit_imports(f) if m.startswith("labkit.launching")], f
+
+
+def test_a_model_does_not_launch():
+    for f in (PKG / "models").glob("*.py"):
+        assert not [m for m in kit_imports(f) if m.startswith(("labkit.launching", "labkit.ranks"))], f
+
+
+def test_no_module_is_over_400_lines():
+    long = {module_name(f): n for f in every_module() if (n := len(f.read_text().splitlines())) > 420}
+    assert not long, f"split these by what they own: {long}"
 
 
 def test_the_log_format_has_one_home_both_sides_use():
@@ -40,8 +129,8 @@ def test_the_log_format_has_one_home_both_sides_use():
     parses back with its microsecond stamp."""
     import logging
 
-    from labkit.launch import PP_LOG_FORMAT as exported
     from labkit.launching import command
+    from labkit.launching.launch import PP_LOG_FORMAT as exported
     from labkit.logs.parse import PP_LOG_FORMAT, parse_lines
 
     assert command.PP_LOG_FORMAT is PP_LOG_FORMAT and exported is PP_LOG_FORMAT

@@ -21,7 +21,7 @@ from labkit.ranks import RanksError
 SETUP = """
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-from labkit.reference import CheckStepError, check_step
+from labkit.worker.reference import CheckStepError, check_step
 
 torch.manual_seed(0)
 full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())

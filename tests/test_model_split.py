@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from labkit.config import RunConfig
-from labkit.model import build_model, make_batch, tokenwise_loss_fn
-from labkit.reference import Reference, grad_diff, whole_batch_reference
-from labkit.stages import manual_stage_module
+from labkit.config.run import RunConfig
+from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
+from labkit.worker.reference import Reference, grad_diff, whole_batch_reference
+from labkit.worker.stages import manual_stage_module
 
 
 def test_manual_split_partitions_every_parameter_once():
@@ -77,7 +77,7 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     import torch.distributed as dist
     import torch.nn as nn
 
-    from labkit.reference import CheckStepError, check_step
+    from labkit.worker.reference import CheckStepError, check_step
 
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

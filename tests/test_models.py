@@ -8,7 +8,9 @@ import importlib.util
 import pytest
 import torch
 
-from labkit.config import PRESETS, ConfigError, RunConfig
+from labkit.config.presets import PRESETS
+from labkit.core.errors import ConfigError
+from labkit.config.run import RunConfig
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed (pip install -e '.[models]')")

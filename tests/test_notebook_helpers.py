@@ -1,7 +1,7 @@
-"""What the notebooks import: labkit.notebook (setup, deterministic views, solutions), labkit.orders
-(orders of actions, torch's short form) and labkit.memory (what a stage holds)."""
+"""What the notebooks import: labkit.notebook.helpers (setup, deterministic views, solutions), labkit.schedules.orders
+(orders of actions, torch's short form) and labkit.worker.memory (what a stage holds)."""
 
-from labkit.notebook import pick_preset, tree
+from labkit.notebook.helpers import pick_preset, tree
 
 
 def test_tree_hides_torchrun_ids(tmp_path):
@@ -20,7 +20,7 @@ def test_pick_preset_on_cpu():
 
 
 def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
-    from labkit.orders import peak_in_flight, rank_orders
+    from labkit.schedules.orders import peak_in_flight, rank_orders
     from labkit.theory import planned_actions, simulate
 
     tl = simulate("1F1B", 4, 8)
@@ -32,7 +32,7 @@ def test_rank_orders_and_peak_in_flight_of_gpipe_and_1f1b():
 
 
 def test_rank_peak_in_flight_sums_a_ranks_stages_at_each_moment():
-    from labkit.orders import peak_in_flight, rank_peak_in_flight
+    from labkit.schedules.orders import peak_in_flight, rank_peak_in_flight
 
     order = {0: [("F", 0, 0), ("F", 2, 0), ("B", 2, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]}
     assert rank_peak_in_flight(order) == {0: 2} and peak_in_flight(order) == {0: 2, 2: 1}
@@ -44,8 +44,8 @@ def test_torch_liveness_agrees_with_the_kits_count_except_torchs_own_1f1b_plan()
     import pytest
 
     from labkit import SCHEDULES, versions
-    from labkit.memory import torch_liveness
-    from labkit.orders import ScheduleError, rank_peak_in_flight
+    from labkit.worker.memory import torch_liveness
+    from labkit.schedules.orders import ScheduleError, rank_peak_in_flight
     from labkit.theory import planned_actions
 
     if not versions.has("activation liveness"):
@@ -68,8 +68,8 @@ def test_torch_liveness_of_an_explicit_order_agrees_with_the_kits_count():
     import pytest
 
     from labkit import versions
-    from labkit.memory import torch_liveness
-    from labkit.orders import ScheduleError, rank_peak_in_flight
+    from labkit.worker.memory import torch_liveness
+    from labkit.schedules.orders import ScheduleError, rank_peak_in_flight
     from labkit.theory.paper import handcrafted
     from labkit.theory.search import search
 
@@ -88,7 +88,7 @@ def test_torch_liveness_of_an_explicit_order_agrees_with_the_kits_count():
 def test_saved_activation_bytes_counts_activations_not_weights():
     import torch
 
-    from labkit.memory import saved_activation_bytes
+    from labkit.worker.memory import saved_activation_bytes
 
     lin = torch.nn.Linear(16, 16, bias=False)
     x = torch.randn(4, 16, requires_grad=True)
@@ -99,7 +99,7 @@ def test_saved_activation_bytes_counts_activations_not_weights():
 
 
 def test_torch_short_forms_of_an_order():
-    from labkit.orders import format_order, order_csv, torch_actions
+    from labkit.schedules.orders import format_order, order_csv, torch_actions
 
     order = {1: [("F", 1, 0), ("I", 1, 0), ("W", 1, 0)], 0: [("F", 0, 0), ("B", 0, 0)]}
     assert torch_actions(order) == {0: ["0F0", "0B0"], 1: ["1F0", "1I0", "1W0"]}
@@ -108,7 +108,7 @@ def test_torch_short_forms_of_an_order():
 
 
 def test_solution_loads_an_answer_from_a_solutions_file(tmp_path, monkeypatch):
-    from labkit.notebook import solution
+    from labkit.notebook.helpers import solution
 
     (tmp_path / "solutions").mkdir()
     (tmp_path / "solutions" / "99_demo.py").write_text("ANSWER = 42\n")
@@ -120,7 +120,7 @@ def test_solution_looks_only_next_to_the_running_notebook(tmp_path, monkeypatch)
     """An installed kit never reads the repository's notebooks/solutions: only ./solutions counts."""
     import pytest
 
-    from labkit.notebook import solution
+    from labkit.notebook.helpers import solution
 
     monkeypatch.chdir(tmp_path)  # the repository's notebooks/solutions/00_welcome.py exists, but not here
     with pytest.raises(FileNotFoundError, match="solutions/ folder next to the notebooks") as e:
@@ -129,27 +129,27 @@ def test_solution_looks_only_next_to_the_running_notebook(tmp_path, monkeypatch)
 
 
 def test_notebook_keeps_the_names_the_notebooks_import():
-    """The notebooks import order and memory helpers from labkit.notebook; their owners are elsewhere."""
-    import labkit.memory
-    import labkit.notebook
-    import labkit.orders
+    """The notebooks import order and memory helpers from labkit.notebook.helpers; their owners are elsewhere."""
+    import labkit.worker.memory
+    import labkit.notebook.helpers
+    import labkit.schedules.orders
 
     for name in ("format_order", "order_csv", "peak_in_flight", "rank_orders", "torch_actions"):
-        assert getattr(labkit.notebook, name) is getattr(labkit.orders, name), name
+        assert getattr(labkit.notebook.helpers, name) is getattr(labkit.schedules.orders, name), name
     for name in ("param_groups", "saved_activation_bytes"):
-        assert getattr(labkit.notebook, name) is getattr(labkit.memory, name), name
-    assert set(labkit.notebook.__all__) <= set(dir(labkit.notebook))
+        assert getattr(labkit.notebook.helpers, name) is getattr(labkit.worker.memory, name), name
+    assert set(labkit.notebook.helpers.__all__) <= set(dir(labkit.notebook.helpers))
 
 
 # --- stages, Pipes and failed runs (notebooks 01, 02 and 09) ------------------------------------
 
 
 def test_param_groups_and_compress_names_of_the_tutorial_model():
-    from labkit.config import RunConfig
-    from labkit.model import build_model
-    from labkit.memory import param_groups
-    from labkit.notebook import compress_names
-    from labkit.stages import manual_stage_module
+    from labkit.config.run import RunConfig
+    from labkit.models.tutorial import build_model
+    from labkit.worker.memory import param_groups
+    from labkit.notebook.helpers import compress_names
+    from labkit.worker.stages import manual_stage_module
 
     full = build_model(RunConfig(preset="tiny"))
     groups = param_groups(full)
@@ -164,7 +164,7 @@ def test_pipe_summary_of_a_traced_network():
     import torch
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    from labkit.notebook import pipe_summary
+    from labkit.notebook.helpers import pipe_summary
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     pipe = pipeline(net, mb_args=(torch.randn(2, 4),), split_spec={"2": SplitPoint.BEGINNING})
@@ -195,7 +195,7 @@ Current thread 0x00007f80b0fc3b80 (most recent call first):
 
 
 def test_stack_frames_and_rank_locations_hide_folders_and_other_threads():
-    from labkit.notebook import rank_locations, stack_frames
+    from labkit.notebook.helpers import rank_locations, stack_frames
 
     assert stack_frames(STACKS, "hang") == {0: ["hang.py:38 in main", "hang.py:46 in <module>"],
                                             1: ["hang.py:26 in load_next_batch", "hang.py:40 in main"]}
@@ -209,7 +209,7 @@ def test_stack_frames_and_rank_locations_hide_folders_and_other_threads():
 def test_orders_in_torch_short_form_are_read_too():
     import pytest
 
-    from labkit.orders import order_csv, peak_in_flight, torch_actions
+    from labkit.schedules.orders import order_csv, peak_in_flight, torch_actions
 
     order = {0: "0F0 0F1 0B0 0B1".split(), 1: ["1F0", ("B", 1, 0), "1f1", "1B1"]}
     assert torch_actions(order) == {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
@@ -226,14 +226,14 @@ def test_tree_hides_torchrun_ids_with_underscores(tmp_path):
     assert "t9zm_nv9" not in tree(run) and "<id>/" in tree(run)
 
 
-# --- torch's short form of an action: one reader (labkit.orders.parse_action, on the log parser's grammar)
+# --- torch's short form of an action: one reader (labkit.schedules.orders.parse_action, on the log parser's grammar)
 
 
 def test_parse_action_reads_torchs_short_form_and_says_how_to_fix_the_rest():
     import pytest
 
     from labkit.logs import decode_action
-    from labkit.orders import ScheduleError, parse_action
+    from labkit.schedules.orders import ScheduleError, parse_action
 
     assert parse_action("0F1") == ("F", 0, 1) and parse_action(" 12w3 ") == ("W", 12, 3)
     assert parse_action("3I0") == decode_action("3I0")[:3]  # the same grammar as torch's log lines
@@ -259,7 +259,7 @@ def test_custom_schedule_reads_its_csv_with_the_kits_rules(tmp_path):
     """notebooks/scripts/custom_schedule.py (a torchrun script) reads and checks the order as the notebook does."""
     import pytest
 
-    from labkit.orders import order_csv
+    from labkit.schedules.orders import order_csv
 
     read_order = _custom_schedule_script().read_order
     order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]}
@@ -286,8 +286,8 @@ def test_custom_schedule_reads_its_csv_with_the_kits_rules(tmp_path):
 def test_saved_tensor_tracker_counts_each_microbatch_until_its_backward():
     import torch
 
-    from labkit.memory import SavedTensorTracker, byte_range, union_length
-    from labkit.workload import TimedBlock
+    from labkit.worker.memory import SavedTensorTracker, byte_range, union_length
+    from labkit.models.workload import TimedBlock
 
     class Stage:  # what the tracker reads of a PipelineStage
         def __init__(self, module, index):

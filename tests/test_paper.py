@@ -4,7 +4,7 @@ Figure 3 orders, and the kit's search beside its searched ZB-1p (arXiv:2401.1024
 
 import pytest
 
-from labkit.orders import check_order, peak_in_flight
+from labkit.schedules.orders import check_order, peak_in_flight
 from labkit.theory import paper
 from labkit.theory.search import search
 

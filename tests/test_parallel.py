@@ -16,7 +16,8 @@ import textwrap
 
 import pytest
 
-from labkit.config import ConfigError, RunConfig
+from labkit.core.errors import ConfigError
+from labkit.config.run import RunConfig
 
 from conftest import labkit_cli
 
@@ -24,10 +25,10 @@ TP_FLOAT64 = """
 import copy, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from labkit.config import RunConfig
-from labkit.model import build_model, make_batch, tokenwise_loss_fn
+from labkit.config.run import RunConfig
+from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
 from labkit.parallel.compose import tp_plan
-from labkit.worker import exit_now
+from labkit.worker.distributed import exit_now
 
 dist.init_process_group("gloo")
 cfg = RunConfig(schedule="1F1B", preset="tiny")
@@ -127,8 +128,8 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     float64 the unsplit model's exactly)."""
     import math
 
-    from labkit.model import build_model, make_batch, tokenwise_loss_fn
-    from labkit.reference import whole_batch_reference
+    from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
+    from labkit.worker.reference import whole_batch_reference
 
     cfg, res = COMPOSED[name], composed[name]
     assert res is not None, composed["__job__"].error
@@ -202,7 +203,7 @@ def test_accumulation_with_torchs_default_scale_grads_is_wrong_and_the_fix_is_ri
     """torch's scale_grads divides every gradient held at the end of a step, including what earlier
     steps accumulated: G steps then / G is not one step on G batches (the pitfall); steps with
     scale_grads=False and one 1/(m G) at the end are."""
-    from labkit.launch import run
+    from labkit.launching.launch import run
 
     cfg = RunConfig(schedule="1F1B", pp_size=2, preset="tiny", n_microbatches=2, batch_size=8, accumulate=2,
                     device="cpu")
@@ -219,7 +220,7 @@ def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches
     """Saved by 8 ranks (pp 2 x dp 2 x tp 2, FSDP2 over TP) after 2 updates; every parameter in it once;
     resumed by 2 ranks running Interleaved1F1B (4 stages, no FSDP, no TP) with clipping: that step
     equals the unsplit model loaded from the same checkpoint and clipped the same way."""
-    from labkit.model import build_model
+    from labkit.models.tutorial import build_model
     from labkit.parallel.checkpoint import saved_names
 
     save, _, ckpt = three_d
@@ -249,7 +250,7 @@ def test_a_composed_runs_timeline_and_idle_are_per_pipeline(composed, tmp_path, 
     the timeline, the idle report and `labkit timeline` (--json, --idle, --plot) give 2 pipelines, each
     with every rank's actions (FSDP's UNSHARD / REDUCE_GRAD included) beside its own fitted ideal,
     which plans exactly the actions the pipeline ran. Reuses the composed job: no launch of its own."""
-    from labkit.compare import load_timeline, measured_vs_ideal_by_pipeline
+    from labkit.timeline.compare import load_timeline, measured_vs_ideal_by_pipeline
     from labkit.spans import explain_idle_by_pipeline
 
     name = "loopedbfs fsdp clip"

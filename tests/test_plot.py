@@ -14,8 +14,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.legend import Legend  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from labkit.config import SCHEDULES  # noqa: E402
-from labkit.plot import (  # noqa: E402
+from labkit.schedules.table import SCHEDULES  # noqa: E402
+from labkit.timeline.plot import (
     KIND_COLORS,
     bubble_summary,
     kind_legend,
@@ -24,7 +24,7 @@ from labkit.plot import (  # noqa: E402
     plot_timeline,
 )
 from labkit.theory import Cost, fit_cost, simulate  # noqa: E402
-from labkit.timeline import Action, Timeline  # noqa: E402
+from labkit.core.timeline import Action, Timeline  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,8 +52,8 @@ def _no_global_state():
     before_figs = plt.get_fignums()
     before_rc = dict(matplotlib.rcParams)
     yield
-    assert plt.get_fignums() == before_figs, "labkit.plot opened a pyplot figure"
-    assert dict(matplotlib.rcParams) == before_rc, "labkit.plot changed rcParams"
+    assert plt.get_fignums() == before_figs, "labkit.timeline.plot opened a pyplot figure"
+    assert dict(matplotlib.rcParams) == before_rc, "labkit.timeline.plot changed rcParams"
 
 
 def test_plot_timeline_by_rank():
@@ -193,7 +193,7 @@ def test_narrow_bars_get_no_label_rather_than_a_cut_one():
 def test_bar_labels_use_one_form_per_plot():
     """bar_labels: by rank only the full form; by stage the short form for every bar once one bar
     lacks room for the full one; a bar too narrow for the chosen form gets none."""
-    from labkit.plot import bar_labels
+    from labkit.timeline.plot import bar_labels
 
     acts = [Action(0, 3, 0, "F", 0.0, 10.0), Action(0, 0, 1, "I", 10.0, 12.5), Action(0, 0, 2, "W", 12.5, 13.0)]
     # 0.65 * 7 pt per character + 2: `3F0` needs 15.65 pt, `I1` 11.1 pt; at 5 pt per unit: 50, 12.5 and 2.5 pt
@@ -209,7 +209,7 @@ def test_bar_labels_use_one_form_per_plot():
 
 
 def test_plot_memory_per_rank_sums_the_ranks_stages():
-    from labkit.plot import plot_memory
+    from labkit.timeline.plot import plot_memory
 
     tl = Timeline([Action(rank=0, stage=0, kind="F", microbatch=0, start=0.0, end=1.0),
                    Action(rank=0, stage=3, kind="F", microbatch=0, start=1.0, end=2.0),

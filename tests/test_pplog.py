@@ -17,7 +17,7 @@ import pytest
 
 from labkit import logs
 from labkit.logs.parse import _Parser
-from labkit.timeline import COMPUTE_KINDS
+from labkit.core.timeline import COMPUTE_KINDS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pplogs"
 ALL = sorted(d for d in FIXTURES.glob("*/*") if (d / "result.json").is_file())
@@ -221,9 +221,9 @@ def test_split_waits_show_the_gpipe_bubble():
 
 @pytest.mark.parametrize("name", ["GPipe-p2-m4", "ZBVZeroBubble-p2-m4"])
 def test_trim_is_split_then_trim_waits(name):
-    """`waits="trim"` (what `labkit.compare.load_timeline` reads) is split, then `trim_waits`: starts
+    """`waits="trim"` (what `labkit.timeline.compare.load_timeline` reads) is split, then `trim_waits`: starts
     only move later, ends stay where torch logged them."""
-    from labkit.compare import load_timeline
+    from labkit.timeline.compare import load_timeline
 
     d = fixture(name)
     events = logs.parse_run_dir(d)

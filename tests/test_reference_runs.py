@@ -6,8 +6,9 @@ import subprocess
 import pytest
 
 from conftest import kit_processes, labkit_cli, run_suite
-from labkit.config import SCHEDULES, RunConfig
-from labkit.launch import LaunchError, run
+from labkit.schedules.table import SCHEDULES
+from labkit.config.run import RunConfig
+from labkit.launching.launch import LaunchError, run
 
 MULTI = [n for n, i in SCHEDULES.items() if i.multi]
 
@@ -67,7 +68,7 @@ def test_spans_time_every_planned_action_at_both_ends(schedule, split, two_ranks
     """Spans (labkit.spans), on this torch: the run's own spans hold exactly the actions torch planned,
     in the planned order on each rank (F, B or F, I, W; both halves of DualPipeV's overlapped pairs),
     each with a measured start and end."""
-    from labkit.orders import rank_orders
+    from labkit.schedules.orders import rank_orders
     from labkit.spans.read import timeline_from_spans
     from labkit.theory import planned_actions
 

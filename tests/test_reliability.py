@@ -19,8 +19,8 @@ import pytest
 
 from conftest import REPO, kit_processes, labkit_cli
 
-from labkit.config import PRESETS
-from labkit.launch import LaunchError, launch
+from labkit.config.presets import PRESETS
+from labkit.launching.launch import LaunchError, launch
 
 HELLO = textwrap.dedent("""
     import os, sys, time
@@ -61,7 +61,7 @@ CRASH = textwrap.dedent("""
     main()
 """)
 
-# A stand-in for a Jupyter kernel running a cell: calls labkit.launch and blocks until the job ends. ipykernel installs Python's default SIGINT handler
+# A stand-in for a Jupyter kernel running a cell: calls labkit.launching.launch and blocks until the job ends. ipykernel installs Python's default SIGINT handler
 # while a cell runs (it ignores SIGINT otherwise); so does this driver, because a shell that starts
 # the test suite in the background without job control hands SIGINT down as ignored.
 DRIVER = textwrap.dedent("""
@@ -69,7 +69,7 @@ DRIVER = textwrap.dedent("""
     import labkit
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        labkit.launch(sys.argv[1], nproc=2, out=sys.argv[2], progress=False, timeout=None)
+        labkit.launching.launch(sys.argv[1], nproc=2, out=sys.argv[2], progress=False, timeout=None)
     except KeyboardInterrupt:
         print("driver saw KeyboardInterrupt", flush=True)
         sys.exit(130)
@@ -190,7 +190,8 @@ def test_ranks_exit_by_themselves_when_the_kernel_is_killed(write, tmp_path, run
 
 
 def test_clean_ends_orphans_and_nothing_else(tmp_path, runs):
-    from labkit.clean import OWNER_VAR, RUN_DIR_VAR, clean, owner_token
+    from labkit.core.processes import OWNER_VAR, RUN_DIR_VAR, owner_token
+    from labkit.launching.clean import clean
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_owner = owner_token(gone.pid)
@@ -364,7 +365,7 @@ def test_two_torchrun_agents_form_one_two_node_job(write, runs):
 
 def test_slurm_script_runs_a_two_node_job_through_srun(tmp_path, runs):
     """Write the batch script, then run it with stand-ins for srun/scontrol that start both 'nodes' here."""
-    from labkit.slurm import slurm_script
+    from labkit.launching.slurm import slurm_script
 
     text = slurm_script(["run", "--schedule", "GPipe", "--nproc", "1", "--preset", "tiny", "--quiet"],
                         nodes=2, gpus_per_node=0, python=sys.executable, port=_free_port(), runs_root=str(runs))

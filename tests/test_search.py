@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from labkit.orders import check_order, peak_in_flight
+from labkit.schedules.orders import check_order, peak_in_flight
 from labkit.theory import Cost, simulate, simulate_order
 from labkit.theory import paper
 from labkit.theory.search import HANDCRAFTED, handcrafted, lower_bound, rank_spans, search, zb_h1_makespan
@@ -124,7 +124,8 @@ def test_cli_search_writes_torchs_csv_and_json(tmp_path):
     (lambda rows: [",".join(a for a in r.split(",") if not a.endswith("7")) for r in rows], "pass --microbatches 7"),
 ])
 def test_a_schedule_csv_that_cannot_run_is_refused_before_launch(tmp_path, edit, message):
-    from labkit.config import ConfigError, RunConfig
+    from labkit.core.errors import ConfigError
+    from labkit.config.run import RunConfig
     rows = search(4, 8, UNIT, memory_limit=4).csv().strip().splitlines()
     path = tmp_path / "bad.csv"
     path.write_text("\n".join(edit(rows)) + "\n")
@@ -146,7 +147,7 @@ def test_a_searched_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(t
     result = json.loads((run / "result.json").read_text())
     assert result["reference_match"] is True and result["n_microbatches"] == 8
     assert result["runtime"].endswith("_PipelineScheduleRuntime")
-    from labkit.compare import measured_vs_ideal
+    from labkit.timeline.compare import measured_vs_ideal
     measured, ideal, _ = measured_vs_ideal(run)
     assert measured.source == "spans" and ideal.meta["schedule"] == "order from --schedule-csv"
     assert measured.counts() == ideal.counts() == {(s, k): 8 for s in range(4) for k in ("F", "I", "W")}
@@ -157,7 +158,7 @@ def test_cli_search_fits_costs_from_a_measured_run_and_adds_the_sends(tmp_path):
     """--cost-from RUN: F, I, W fitted from a real InterleavedZeroBubble run's timeline (torch 2.15's
     logs, 4 ranks, 8 microbatches), as the ideal timelines are; --comm adds a send's time to each hop.
     The CLI's answer is the search at exactly those costs, and a slower link lengthens the makespan."""
-    from labkit.compare import load_timeline
+    from labkit.timeline.compare import load_timeline
     from labkit.theory import fit_cost
 
     run = REPO / "tests" / "fixtures" / "pplogs" / "2.15.0" / "InterleavedZeroBubble-p4-m8"
@@ -243,7 +244,7 @@ def test_the_exact_model_proves_its_bound_and_never_loses_to_its_seed():
 
 def test_the_exact_model_without_ortools_says_how_to_install_it(monkeypatch):
     import builtins
-    from labkit.config import ConfigError
+    from labkit.core.errors import ConfigError
     real = builtins.__import__
 
     def no_ortools(name, *a, **k):

@@ -96,7 +96,7 @@ def test_traced_transformers_model_on_four_stages(model_type):
     read by every block: after the kit's trace (hf.trace_pipe: export under no_grad, then carry_skips)
     each stage reads only its predecessor, and the four stages chained give the unsplit model's logits
     and gradients."""
-    from labkit.config import PRESETS
+    from labkit.config.presets import PRESETS
     from labkit.models import hf
 
     tiny = PRESETS["tiny"]

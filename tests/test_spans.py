@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from labkit.compare import load_timeline, one_step
+from labkit.timeline.compare import load_timeline, one_step
 from labkit.spans import explain_idle_spans, read_spans, timeline_from_spans
 from labkit.spans import record as rec_mod
 from labkit.spans.read import Span

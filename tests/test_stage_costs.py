@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.compare import Shape, fitted_ideal, pipelines_vs_ideal, uniform_ideal
+from labkit.timeline.compare import Shape, fitted_ideal, pipelines_vs_ideal, uniform_ideal
 from labkit.theory import Cost, StageCosts, closed_form_bubble, fit_cost, fit_stage_costs, simulate
-from labkit.timeline import Timeline
+from labkit.core.timeline import Timeline
 
 UNEVEN = StageCosts(((0, Cost(F=0.010, B=0.008)), (1, Cost(F=0.010, B=0.016)), (2, Cost(F=0.010, B=0.020)),
                      (3, Cost(F=0.010, B=0.028))), default=Cost(F=0.010, B=0.018), unit="s")
@@ -55,7 +55,7 @@ def test_pipelines_vs_ideal_reports_both_ideals_and_the_spread():
 def test_plot_title_shows_the_spread():
     from matplotlib.figure import Figure
 
-    from labkit.plot import plot_timeline
+    from labkit.timeline.plot import plot_timeline
 
     ideal = fitted_ideal(_measured(), Shape("1F1B", 4, 4, 1))
     ax = Figure().subplots()

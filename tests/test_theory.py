@@ -7,7 +7,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from labkit.config import SCHEDULES, ConfigError, stage_placement
+from labkit.schedules.table import SCHEDULES, stage_placement
+from labkit.core.errors import ConfigError
 from labkit.theory import (
     Cost,
     ScheduleDeadlock,
@@ -20,7 +21,7 @@ from labkit.theory import (
     simulate_order,
     theory_json,
 )
-from labkit.timeline import Action, Timeline
+from labkit.core.timeline import Action, Timeline
 
 SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble"}  # I and W for every microbatch, never B
 MIXED_BACKWARD = {"DualPipeV"}  # B for some microbatches, I + W for the others
@@ -148,8 +149,8 @@ def test_planned_actions_rejects_bad_configs(kwargs, match):
 
 
 def test_stages_per_rank_rules_are_the_configs():
-    """theory asks labkit.config (the one owner): the same message as `labkit run` prints."""
-    from labkit.config import RunConfig
+    """theory asks labkit.config.run (the one owner): the same message as `labkit run` prints."""
+    from labkit.config.run import RunConfig
 
     for schedule, spr in (("Interleaved1F1B", 1), ("GPipe", 2), ("DualPipeV", 3)):
         with pytest.raises(ConfigError) as ours:
@@ -421,7 +422,7 @@ def test_planned_order_is_what_torch_ran(run_dir, name, p, m):
 
 
 def test_rank_peak_bytes_weighs_each_stage():
-    from labkit.orders import rank_peak_bytes, rank_peak_in_flight
+    from labkit.schedules.orders import rank_peak_bytes, rank_peak_in_flight
 
     order = {0: [("F", 0, 0), ("F", 3, 0), ("B", 3, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]}
     assert rank_peak_in_flight(order) == {0: 2}

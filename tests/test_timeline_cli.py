@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from labkit.cli import main
-from labkit.config import ConfigError
+from labkit.core.errors import ConfigError
 
 from conftest import labkit_cli
 
@@ -276,7 +276,7 @@ def test_anything_else_gets_one_clear_error(tmp_path, capsys, name):
     assert captured.out == ""
     assert says in captured.err and "Traceback" not in captured.err
     assert "a run or cell directory" in captured.err and "TORCH_LOGS=+pp" in captured.err  # what was expected
-    from labkit.compare import load_timeline
+    from labkit.timeline.compare import load_timeline
 
     with pytest.raises(ConfigError, match=says):
         load_timeline(f)

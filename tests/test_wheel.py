@@ -21,9 +21,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # What the notebooks import (grep notebooks/*.ipynb for "labkit"): all must come from the wheel.
-NOTEBOOK_IMPORTS = ["labkit", "labkit.notebook", "labkit.config", "labkit.model", "labkit.stages", "labkit.theory",
-                    "labkit.plot", "labkit.compare", "labkit.logs", "labkit.workload", "labkit.sweep", "labkit.trace",
-                    "labkit.worker", "labkit.explorer", "labkit.reference", "labkit.ranks", "labkit.models",
+NOTEBOOK_IMPORTS = ["labkit", "labkit.notebook.helpers", "labkit.config.run", "labkit.models.tutorial", "labkit.worker.stages", "labkit.theory",
+                    "labkit.timeline.plot", "labkit.timeline.compare", "labkit.logs", "labkit.models.workload", "labkit.launching.sweep", "labkit.timeline.perfetto",
+                    "labkit.worker.distributed", "labkit.notebook.explorer", "labkit.worker.reference", "labkit.ranks", "labkit.models",
                     "labkit.parallel", "labkit.spans"]
 
 USER_SCRIPT = """

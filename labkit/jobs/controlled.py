@@ -1,6 +1,6 @@
-"""The controlled-workload job: stages whose compute time is set (labkit.workload).
+"""The controlled-workload job: stages whose compute time is set (labkit.models.workload).
 
-    python -c "import labkit.workload as w; w.run_controlled(schedule='GPipe', pp_size=4, mode='sleep')"
+    python -c "import labkit.models.workload as w; w.run_controlled(schedule='GPipe', pp_size=4, mode='sleep')"
     torchrun --nproc-per-node 2 -m labkit.jobs.controlled --config runs/x/config.json
 
 Used to hold a measured timeline against the ideal one: with `mode="sleep"` the ranks do not
@@ -19,11 +19,12 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .. import worker
-from ..config import ConfigError, stage_placement
-from ..reference import check_step, stage_grads
-from ..stages import make_schedule
-from ..workload import TimedBlock, WorkloadConfig, full_model, make_batch, mse
+from ..worker import distributed as worker
+from ..core.errors import ConfigError
+from ..schedules.table import stage_placement
+from ..worker.reference import check_step, stage_grads
+from ..worker.stages import make_schedule
+from ..models.workload import TimedBlock, WorkloadConfig, full_model, make_batch, mse
 
 
 @record

@@ -6,7 +6,7 @@
 Reads its `RunConfig` from the run directory's config.json (`labkit run` writes it; `--config`
 names another). Every rank builds the same full model (same seed), keeps its stages (manual or
 tracer split), runs `steps` steps of the schedule, and checks the FIRST step against one
-forward/backward of the unsplit model on the whole batch (`labkit.reference.check_step`). Rank 0
+forward/backward of the unsplit model on the whole batch (`labkit.worker.reference.check_step`). Rank 0
 writes result.json into the run directory. Exit codes: 0 ok, 2 bad configuration, 3 the
 reference check failed. Taught in notebooks 00 and 04.
 """
@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .. import worker
-from ..config import ConfigError, RunConfig
+from ..worker import distributed as worker
+from ..core.errors import ConfigError
+from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
-from ..reference import check_step, stage_grads
+from ..worker.reference import check_step, stage_grads
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,7 +94,7 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
     spans = _spans_recorder() if spans_ab else None
     tracker = None
     if memory and not cfg.inference:
-        from ..memory import SavedTensorTracker
+        from ..worker.memory import SavedTensorTracker
         tracker = SavedTensorTracker(stages)
     for step in range(cfg.steps):
         if switch:
@@ -317,7 +318,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
                           memory_per_rank=[dict(zip(("parameters", "gradients", "optimizer_state", "activations"),
                                                     map(int, row))) for row in memory])
         if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
-            from ..config import read_order_csv
+            from ..config.run import read_order_csv
 
             result["schedule_csv"] = cfg.schedule_csv
             result["order"] = {str(r): acts for r, acts in read_order_csv(cfg.schedule_csv).items()}

@@ -1,7 +1,7 @@
 """What a launch runs: the torchrun argv (never a shell string), the ranks' environment, and the
 checks made before anything starts (nodes, one GPU per rank).
 
-Single-node jobs rendezvous on 127.0.0.1 on an OS-chosen port (`labkit.rendezvous`); multi-node
+Single-node jobs rendezvous on 127.0.0.1 on an OS-chosen port (`labkit.launching.rendezvous`); multi-node
 jobs use torchrun's static rendezvous, so `--node-rank` decides global ranks. The kit's own jobs
 run as modules of the installed package (`-m labkit.jobs.train`): nothing reads the repository's
 folders. PYTHONPATH gets one folder first, the kit's `labkit/spans/boot` (a sitecustomize that
@@ -14,10 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from ..clean import OWNER_VAR, RUN_DIR_VAR, owner_token
-from ..config import ConfigError
+from ..core.processes import OWNER_VAR, RUN_DIR_VAR, owner_token
+from ..core.errors import ConfigError
 from ..logs.parse import PP_LOG_FORMAT  # the kit's log format (its home is beside its reader)
-from ..rendezvous import BACKEND_NAME
+from .rendezvous import BACKEND_NAME
 from ..spans.paths import BOOT_DIR, SPANS_DIR_VAR
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_TIMEOUT", "900"))  # a hung lab job ends within 15 minutes
@@ -31,7 +31,7 @@ def torchrun_command(entry: str | os.PathLike, script_args: list[str], nproc: in
     if nnodes == 1 and rdzv_endpoint is None:
         if os.environ.get("LABKIT_RDZV") == "standalone":  # escape hatch: torchrun's own (all interfaces)
             cmd += ["--standalone", "--nnodes", "1"]
-        else:  # loopback-only stores on an OS-chosen port (labkit.rendezvous)
+        else:  # loopback-only stores on an OS-chosen port (labkit.launching.rendezvous)
             cmd += ["--nnodes", "1", "--rdzv-backend", BACKEND_NAME, "--rdzv-endpoint", "127.0.0.1:0",
                     "--rdzv-id", f"labkit-{run_dir.name}", "--local-addr", "127.0.0.1"]
     else:
@@ -89,7 +89,7 @@ def preflight_torch() -> None:
     metadata without importing it."""
     from importlib import metadata
 
-    from ..config import validate_torch
+    from ..config.run import validate_torch
 
     try:
         version = metadata.version("torch")

@@ -135,7 +135,7 @@ TEARDOWN_HINT = (
     "Hint: this rank aborted while Python was shutting down, after its script's last line: a torch "
     "teardown race (a gloo collective's thread still calling into Python at exit; seen with DTensor / "
     "tensor parallelism on torch 2.14 and 2.15). End the script with dist.destroy_process_group() and then "
-    "labkit.worker.exit_now(0), as the kit's own jobs do.")
+    "labkit.worker.distributed.exit_now(0), as the kit's own jobs do.")
 
 
 def error_message(run: Run, headline: str) -> str:

@@ -11,7 +11,8 @@ import os
 import signal
 import subprocess
 
-from ..clean import kill_all, set_parent_death_signal
+from .clean import kill_all
+from ..core.processes import set_parent_death_signal
 
 
 def die_with_parent() -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from ..config import ConfigError
+from ..core.errors import ConfigError
 
 DEFAULT_RUNS_ROOT = "runs"
 TAIL_LINES = 30
@@ -81,8 +81,8 @@ class Run:
 
     def timeline(self, source: str = "auto"):
         """The run's measured Timeline: its spans (both ends of every action), else its PP logs or
-        profiler traces (`labkit.compare.load_timeline`)."""
-        from ..compare import load_timeline
+        profiler traces (`labkit.timeline.compare.load_timeline`)."""
+        from ..timeline.compare import load_timeline
 
         return load_timeline(self.run_dir, source)
 

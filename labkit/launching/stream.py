@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..progress import Progress, in_notebook
+from ..core.progress import Progress, in_notebook
 
 PROGRESS_RE = re.compile(r"\[labkit\] progress (\d+)/(\d+)")
 STREAMS = ("output", "all", "none")

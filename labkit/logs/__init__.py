@@ -1,6 +1,9 @@
 """A run's measurements read into timelines: torch's pipelining logs (messages, parse: lines -> events;
 intervals: events -> Timeline, and how waits are taken out), where idle time went (gaps), and
-torch.profiler traces (profiler)."""
+torch.profiler traces (profiler).
+
+May import: labkit.core only.
+"""
 
 _HOMES = {"gaps": ("CAUSES", "IdleReport", "explain_idle"),
           "intervals": ("WAITS", "timeline_from_path", "to_timeline", "trim_waits"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..timeline import Action, Timeline
+from ..core.timeline import Action, Timeline
 from .intervals import _by_rank, _send_times, to_timeline
 from .messages import Event
 

@@ -8,7 +8,7 @@ how the time a rank spends waiting for a neighbour is taken out of them (`WAITS`
 - `split`: an action that needs a neighbour's tensor starts no earlier than that neighbour's
   `Sending ...` line (evidence from the logs; it only moves starts later).
 - `trim`: `split`, then `trim_waits`: what waiting is left is cut to the shortest duration of that
-  kind of action on that stage (an estimate). What `labkit.compare.load_timeline` reads by default.
+  kind of action on that stage (an estimate). What `labkit.timeline.compare.load_timeline` reads by default.
 
 The events come from `labkit.logs.parse`; what each message means is `labkit.logs.messages`'s.
 Taught in notebook 06 (reading PP logs); notebooks 04-05 compare these timelines with theory.
@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from ..timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.timeline import COMPUTE_KINDS, Action, Timeline
 from .messages import END, TIMELINE_KINDS, Event
 from .parse import gc_paused, log_files, parse_files
 

@@ -410,7 +410,7 @@ def log_files(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def parse_run_dir(run_dir: str | os.PathLike, year: int | None = None, meaning_only: bool = False) -> list[Event]:
-    """Events of a run directory made by `labkit.launch` (or a folder of captured logs)."""
+    """Events of a run directory made by `labkit.launching.launch` (or a folder of captured logs)."""
     files = log_files(run_dir)
     if not files:
         raise FileNotFoundError(

@@ -2,7 +2,7 @@
 the host saw them.
 
 The kit's scripts name each stage's compute themselves when profiling (`labkit::<stage><kind><mb>`,
-see `labkit.worker.annotate_stages`). On a CPU those ranges are the compute itself, for every
+see `labkit.worker.distributed.annotate_stages`). On a CPU those ranges are the compute itself, for every
 schedule (they agree with the kit's spans within 0.03: notebook 06, bench). On a GPU they are not:
 an annotation is a host-side range (`cat: user_annotation`), and so are the operators that narrow
 torch's own annotations below (`cat: cpu_op`), so with asynchronous kernels they time the *launch*
@@ -29,13 +29,13 @@ from bisect import bisect_left
 from pathlib import Path
 from typing import Iterable
 
-from ..config import ConfigError
-from ..timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.errors import ConfigError
+from ..core.timeline import COMPUTE_KINDS, Action, Timeline
 from .messages import decode_action
 
 __all__ = ["ANNOTATION_PREFIX", "actions_from_trace", "profile_files", "timeline_from_profile"]
 
-ANNOTATION_PREFIX = "labkit::"  # the same as labkit.worker.ANNOTATION_PREFIX (worker imports torch)
+ANNOTATION_PREFIX = "labkit::"  # the same as labkit.worker.distributed.ANNOTATION_PREFIX (worker imports torch)
 
 _SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")
 _COMM = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ProfilerStep")

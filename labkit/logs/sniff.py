@@ -1,7 +1,7 @@
 """What a file holds, told by its content, never by its name: a PP log, a profiler trace, a spans file,
 or none of these (and why not).
 
-`labkit timeline PATH` and `labkit.compare.load_timeline` ask this before they choose a reader, so a
+`labkit timeline PATH` and `labkit.timeline.compare.load_timeline` ask this before they choose a reader, so a
 log from a plain `torchrun` run (`run.log`, `out.txt`, gzipped or not, any of the formats
 `labkit.logs.parse` reads) goes to the log reader and a Chrome trace to the profiler's, whatever
 they are called; anything else gets one error that says what was expected (`not_readable`).

@@ -1,9 +1,16 @@
 """How each model family is cut into pipeline stages.
 
-- the tutorial Transformer (`--model tutorial`, the default) lives in `labkit.model` and
-  `labkit.stages`;
+- the tutorial Transformer (`--model tutorial`, the default) lives in `labkit.models.tutorial` and
+  `labkit.worker.stages`;
 - `hf`: transformers' own models (Llama-layout causal LMs, GPT-2, BERT): small configs, manual and
   tracer splits, tied weights across stages, masks and position ids as kwargs;
 - `adapter`: one interface the reference job uses for either;
-- `balance`: split points from measured per-block cost.
+- `balance`: split points from measured per-block cost;
+- `tied`: tied weights across stages (GPT-2's embedding and head);
+- `skips`: skip connections of a traced model carried stage to stage;
+- `workload`: the controlled workload, stages whose compute time you set (launched by
+  `labkit.launching.controlled`).
+
+May import: labkit.core, labkit.schedules, labkit.config, labkit.worker (stages, memory). Never the launching side:
+a model does not launch (the controlled workload's runner is labkit.launching.controlled).
 """

@@ -3,7 +3,7 @@
 The job asks an adapter for: the unsplit model (seeded, identical on every rank), the batch (token
 ids, targets, and the kwargs every stage needs), the loss, this rank's `PipelineStage`s, the kwargs
 this rank passes to `schedule.step`, the schedule (with the kwargs' chunk specs), and what to do
-after the backward (tied weights). `tutorial` keeps `labkit.model` / `labkit.stages` as they are.
+after the backward (tied weights). `tutorial` keeps `labkit.models.tutorial` / `labkit.worker.stages` as they are.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import RunConfig
+from ..config.run import RunConfig
 
 
 class TutorialAdapter:
-    """The tutorial Transformer (labkit.model, labkit.stages): no kwargs, no tied weights."""
+    """The tutorial Transformer (labkit.models.tutorial, labkit.worker.stages): no kwargs, no tied weights."""
 
     tied_aliases: dict = {}
     tied_copies: frozenset = frozenset()
@@ -25,21 +25,21 @@ class TutorialAdapter:
         self.cfg = cfg
 
     def build_full(self) -> nn.Module:
-        from ..model import build_model
+        from .tutorial import build_model
         return build_model(self.cfg)
 
     def batch(self, device):
-        from ..model import make_batch
+        from .tutorial import make_batch
         x, y = make_batch(self.cfg, device)
         return x, y, {}
 
     @property
     def loss_fn(self):
-        from ..model import tokenwise_loss_fn
+        from .tutorial import tokenwise_loss_fn
         return tokenwise_loss_fn
 
     def build_stages(self, full, rank, device, bounds=None, group=None):
-        from ..stages import build_stages
+        from ..worker.stages import build_stages
         return build_stages(self.cfg, full, rank, device, group)
 
     def step_inputs(self, stages, x, kwargs):
@@ -47,7 +47,7 @@ class TutorialAdapter:
         return ((x,) if any(s.is_first for s in stages) else ()), {}
 
     def schedule(self, stages, loss_fn, **kwargs):
-        from ..stages import build_schedule
+        from ..worker.stages import build_schedule
         return build_schedule(self.cfg, stages, loss_fn, **kwargs)
 
     def after_backward(self, stages) -> None:
@@ -176,7 +176,7 @@ class HFAdapter:
         if self.cfg.split == "tracer":
             spec = None  # positional inputs only; the default cuts every one along dim 0
         if self.cfg.schedule_csv:  # a searched / hand-written order on torch's runtime
-            from ..stages import runtime_from_csv
+            from ..worker.stages import runtime_from_csv
 
             return runtime_from_csv(stages, self.cfg.n_microbatches, loss_fn, self.cfg.schedule_csv,
                                     kwargs_chunk_spec=spec)

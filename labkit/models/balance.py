@@ -78,7 +78,7 @@ def best_bounds(unit_time: list[float], n_stages: int) -> list[int]:
 
 def balance(unit_time: list[float], n_stages: int, unit_bytes: list[int] | None = None) -> Plan:
     """Split points that even out the stages, with each stage's predicted time (and the even split's)."""
-    from ..config import layer_bounds
+    from ..schedules.table import layer_bounds
 
     bounds = best_bounds(unit_time, n_stages)
     even = layer_bounds(len(unit_time), n_stages)
@@ -92,7 +92,7 @@ def _unit_modules(cfg, model, full):
     n = cfg.model.n_layers
     bounds = list(range(n + 1))
     if cfg.model_name == "tutorial":
-        from ..stages import manual_stage_module
+        from ..worker.stages import manual_stage_module
         return [manual_stage_module(full, s, n, bounds) for s in range(n)]
     from . import hf
     return [hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, "cpu") for s in range(n)]
@@ -124,8 +124,8 @@ def _measure_units(cfg, model, full, repeats: int, device) -> tuple[list[float],
     import torch
     import torch.nn as nn
 
-    from ..memory import saved_activation_bytes
-    from ..worker import sync
+    from ..worker.memory import saved_activation_bytes
+    from ..worker.distributed import sync
     from .adapter import adapter
 
     model = model or adapter(cfg)
@@ -174,7 +174,7 @@ def balance_config(cfg, model=None, full=None, device="cpu") -> dict:
     (so all of them choose the same split), and the plan is returned as a dict for result.json."""
     import torch.distributed as dist
 
-    from .. import worker
+    from ..worker import distributed as worker
 
     import torch
 

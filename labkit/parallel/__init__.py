@@ -1,3 +1,6 @@
 """Pipelining composed with other parallelisms: `compose` (the (pp, dp, tp) mesh of a run, data
 parallelism replicated or by FSDP2, tensor parallelism by DTensor plans, the whole-global-batch check).
-Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`)."""
+Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`).
+
+May import: labkit.core, labkit.worker (process groups, collectives).
+"""

@@ -146,7 +146,7 @@ def all_replicas_losses(par: Parallel, losses: list, n_microbatches: int, has_la
     """Every replica's per-microbatch losses in the global batch's order: for each accumulated chunk
     (--accumulate), replica 0's microbatches, then replica 1's, ... (`n_microbatches`: this rank's
     count over all chunks)."""
-    from .. import worker
+    from ..worker import distributed as worker
 
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
     rows = worker.all_gather_floats(mine if has_last else [0.0] * n_microbatches, device, par.dp_group)
@@ -169,7 +169,7 @@ def local_bytes(tensors) -> int:
 
 def memory_row(stages, opt, activation_peak: int) -> list[float]:
     """This rank's bytes: parameters, gradients, optimizer state (its local shards), and the most
-    activation bytes its stages held at once in the step (labkit.memory.SavedTensorTracker). Read
+    activation bytes its stages held at once in the step (labkit.worker.memory.SavedTensorTracker). Read
     right after the first step's backward, before the update."""
     params = [p for st in stages for p in st.submod.parameters()]
     state = [v for st in (opt.state.values() if opt is not None else []) for v in st.values() if torch.is_tensor(v)]

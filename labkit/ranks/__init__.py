@@ -3,6 +3,9 @@
 pool.py (`Ranks`, `RanksError`), cell.py (one cell in flight), job.py (the torchrun launch), channel.py (the
 authenticated Unix socket), rank.py (the rank side), output.py (live output), magics.py (`%%ranks`).
 Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped).
+
+May import: labkit.core, labkit.logs, labkit.spans, labkit.config, labkit.worker (the rank side), labkit.timeline,
+labkit.launching (the torchrun launch of the pool).
 """
 
 from .pool import Ranks, RanksError, current

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..clean import kill_all
+from ..launching.clean import kill_all
 from ..launching.command import job_env, torchrun_command
 from ..launching.diagnose import launcher_text
 from ..launching.processes import descendants, die_with_parent, stop_job

@@ -75,8 +75,8 @@ def status_text(st: dict) -> str:
 def draw_timeline(pool: Ranks, cell: int | None = None):
     """The cell's measured timeline (its last step) above the ideal one with fitted costs; returns the
     Figure. Ranks that formed several pipelines (a (pp, dp) mesh) get one pair per pipeline."""
-    from ..compare import one_step, pipelines_vs_ideal
-    from ..plot import plot_pipelines
+    from ..timeline.compare import one_step, pipelines_vs_ideal
+    from ..timeline.plot import plot_pipelines
 
     measured = one_step(pool.timeline(cell))
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..progress import in_notebook
+from ..core.progress import in_notebook
 
 LIVE_LINES = 200  # the live display shows the newest lines; the grouped print at the end has all
 UPDATE_EVERY_S = 0.1

@@ -30,13 +30,15 @@ import sys
 import threading
 import time
 
-from ..config import ConfigError
+from ..core.errors import ConfigError
 from ..launching.command import preflight_device
 from ..launching.rundir import new_run_dir
 from . import channel
 from .cell import Cell
+from .errors import RanksError, _in_distributed, _indent, _names, _pipeline_hint
 from .job import Job, StartError
 from .output import CellOutput
+from .readings import CellReadings
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_RANKS_TIMEOUT", "120"))  # a cell's deadline
 START_TIMEOUT_S = 120.0
@@ -52,73 +54,18 @@ _POOLS: set = set()  # every open pool, closed at exit
 _current = None      # the pool %%ranks uses: the one started last
 
 
-class RanksError(RuntimeError):
-    """A cell that failed on some rank. `failed`: {rank: traceback}; `blocked`: {rank: stack} of ranks
-    that never finished; `restarted`: the pool was restarted (namespaces lost); `results`: what the
-    ranks that finished returned."""
-
-    def __init__(self, message: str, cell: int | None = None, failed: dict | None = None,
-                 blocked: dict | None = None, restarted: bool = False, results: dict | None = None):
-        super().__init__(message)
-        self.cell, self.failed, self.blocked = cell, failed or {}, blocked or {}
-        self.restarted, self.results = restarted, results or {}
-
-    def _render_traceback_(self):
-        # IPython shows this instead of a traceback through the kit's own frames: the message
-        # already holds the rank's traceback, which is the one that matters.
-        return [f"{type(self).__name__}: {self}"]
-
-
 def current():
     """The pool `%%ranks` runs cells on (the one started last), or None."""
     return _current if _current is not None and not _current.closed else None
 
 
-def _indent(text: str, pad: str = "    ") -> str:
-    return "\n".join(pad + l for l in text.rstrip().splitlines())
-
-
-def _in_distributed(stack: str | None) -> bool:
-    """The innermost frame of a rank's stack (as `rank.main_stack` gives it) is torch.distributed's."""
-    files = [l for l in (stack or "").splitlines() if l.strip().startswith('File "')]
-    return bool(files) and "torch/distributed/" in files[-1].replace("\\", "/")
-
-
-def _pipeline_hint(facts: dict) -> str | None:
-    """The mistake that the failed ranks' schedules show side by side (`rank._schedule_facts`), or None."""
-    facts = {r: f for r, f in sorted(facts.items()) if f}
-    if len(facts) < 2:
-        return None
-    holders: dict[int, list[int]] = {}
-    for r, f in facts.items():
-        for index, _, _ in f["stages"]:
-            holders.setdefault(index, []).append(r)
-    hints = [f"stage {i} was built on {_names(rs)}: each rank must build its own stages (a wrong stage_index? "
-             f"With one stage per rank it is `rank`: PipelineStage(module, rank, world_size, device))."
-             for i, rs in sorted(holders.items()) if len(rs) > 1]
-    ms = {r: f["n_microbatches"] for r, f in facts.items()}
-    if len(set(ms.values())) > 1:
-        hints.append("the ranks' schedules were built with different n_microbatches ("
-                     + ", ".join(f"rank {r}: {m}" for r, m in ms.items())
-                     + "): every rank must build its schedule with the same n_microbatches.")
-    sizes = {r: {s[1] for s in f["stages"]} for r, f in facts.items()}
-    if len({frozenset(v) for v in sizes.values()}) > 1:
-        hints.append("the ranks' stages were built with different num_stages: every rank must pass the same one.")
-    return ("Likely mistake: " + " ".join(hints)) if hints else None
-
-
-def _names(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-class Ranks:
+class Ranks(CellReadings):
     """A pool of `nproc` live ranks under torchrun (real launcher, real process group).
 
     device: "auto" (one GPU per rank when there are enough, else CPU), "cpu" or "cuda".
     timeout: a cell's default deadline in seconds ($LABKIT_RANKS_TIMEOUT or 120); exec(timeout=) overrides it.
     live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook".
-    runs_root / out: where the pool's run directory goes (as for `labkit.launch`).
+    runs_root / out: where the pool's run directory goes (as for `labkit.launching.launch`).
     """
 
     def __init__(self, nproc: int = 2, device: str = "auto", *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -149,7 +96,7 @@ class Ranks:
     def _start(self) -> None:
         global _current
         if self.restarts == -1:
-            from ..clean import clean, describe
+            from ..launching.clean import clean, describe
 
             ended = clean(all_jobs=False)  # orphans of an earlier kernel that died hard
             channel.sweep_stale()  # ... and the socket folders it left
@@ -395,54 +342,6 @@ class Ranks:
         else:
             cell.note = (f"[labkit] cell {cell.n} interrupted: {_names(busy)} stopped (KeyboardInterrupt); "
                          f"every rank keeps its namespace.")
-
-    # ---- what a cell left
-
-    def cell_dir(self, n: int | None = None):
-        n = self.last_cell if n is None else n
-        if n is None:
-            raise RanksError("No cell has run on this pool yet.")
-        return self.run_dir / "cells" / f"{n:03d}"
-
-    def events(self, cell: int | None = None):
-        """The parsed PP log lines (`labkit.logs.Event`s) of a cell (the last by default), for
-        `labkit.logs.explain_idle` and anything else that reads the lines themselves."""
-        from ..logs import parse_files
-
-        return parse_files(sorted(self.cell_dir(cell).glob("rank*.log")))
-
-    def timeline(self, cell: int | None = None):
-        """The measured `Timeline` of a cell (the last by default): its spans (both ends of every action
-        measured in the ranks), or, for a cell without spans, its PP logs with the waits taken out.
-        Every rank's actions; when the ranks formed several pipelines (pp x dp), `tl.pipelines` lists
-        them (from the groups the ranks' stages were built on) and `tl.split_pipelines()` splits it."""
-        from ..compare import load_timeline
-
-        from ..spans.paths import span_files
-
-        d = self.cell_dir(cell)
-        if span_files(d):  # both ends of every action measured in the ranks (labkit.spans)
-            tl = load_timeline(d, "spans")
-            if tl.compute():
-                return tl
-        files = {int(p.stem[4:]): p for p in d.glob("rank*.log") if p.stem[4:].isdigit() and p.stat().st_size > 0}
-        if not files:
-            raise RanksError(f"Cell {int(d.name)} logged no pipelining actions ({d} has no rank*.log): run a "
-                             f"schedule's step() in the cell, then ask for its timeline.")
-        tl = load_timeline([p for _, p in sorted(files.items())])  # rank from the name: cells/007/rank1.log -> 1
-        tl.meta["files"] = [str(p) for _, p in sorted(files.items())]
-        if not tl.compute():
-            raise RanksError(f"Cell {int(d.name)}'s PP logs hold no forward/backward actions ({d}): did the cell "
-                             f"call schedule.step()?")
-        return tl
-
-    def idle(self, cell: int | None = None):
-        """Where the cell's last step's idle time went, by cause and per gap, from its spans
-        (`labkit.spans.explain_idle_spans`; `.text()` says it in words). When the ranks formed several
-        pipelines (a (pp, dp) mesh): one report per pipeline (`labkit.spans.idle.IdleByPipeline`)."""
-        from ..spans import explain_idle_by_pipeline
-
-        return explain_idle_by_pipeline(self.cell_dir(cell))
 
     def status(self) -> dict:
         """Per-rank pid / alive / busy, the run directory, cells run and restarts."""

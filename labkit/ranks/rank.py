@@ -330,9 +330,9 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ..worker import init_distributed
+    from ..worker.distributed import init_distributed
 
-    # The kernel's quiet warnings (labkit.notebook.setup): torch's FutureWarnings (pipeline() emits some)
+    # The kernel's quiet warnings (labkit.notebook.helpers.setup): torch's FutureWarnings (pipeline() emits some)
     # would otherwise land in cell outputs, and differ from one torch version to the next.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")

@@ -7,8 +7,10 @@
 - `idle`: every idle moment of a step, by cause, from the spans.
 
 The timeline the kit draws by default (`labkit timeline`, `%%ranks --timeline`, `pool.timeline()`,
-the explorer, `labkit.run`) comes from spans where they exist: see `labkit.compare.load_timeline`.
+the explorer, `labkit.run`) comes from spans where they exist: see `labkit.timeline.compare.load_timeline`.
 Taught in notebook 06.
+
+May import: labkit.core, labkit.logs (idle causes).
 """
 
 from .paths import BOOT_DIR, SPANS_DIR_VAR, span_files
@@ -17,7 +19,7 @@ __all__ = ["BOOT_DIR", "SPANS_DIR_VAR", "span_files", "read_spans", "timeline_fr
            "explain_idle_by_pipeline", "has_spans"]
 
 
-def __getattr__(name):  # the readers import labkit.timeline; keep `import labkit.spans` light for the launcher
+def __getattr__(name):  # the readers import labkit.core.timeline; keep `import labkit.spans` light for the launcher
     if name in ("read_spans", "timeline_from_spans", "has_spans", "Span"):
         from . import read
 

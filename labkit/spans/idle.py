@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..logs.gaps import CAUSES, IdleReport, _covered
-from ..timeline import COMPUTE_KINDS
+from ..core.timeline import COMPUTE_KINDS
 from .read import Span, read_spans, recorded_pipelines, select_step
 
 __all__ = ["SPAN_CAUSES", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]

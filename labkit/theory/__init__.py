@@ -3,10 +3,12 @@
 plans.py (the per-rank order torch plans), cost.py (the cost model, closed forms, fitting costs to a
 run), simulate.py (replaying an order: ideal timelines and deadlocks), search.py (an order searched
 under a memory limit, zero-bubble style), paper.py (the zero-bubble paper's tables, recomputed). Orders themselves, how they
-are written and checked, are `labkit.orders`. Taught in notebooks 03, 04-06, 08 and 13.
+are written and checked, are `labkit.schedules.orders`. Taught in notebooks 03, 04-06, 08 and 13.
+
+May import: labkit.core, labkit.schedules.
 """
 
-from ..orders import ScheduleError, check_order
+from ..schedules.orders import ScheduleError, check_order
 from .cost import Cost, StageCosts, closed_form_bubble, fit_cost, fit_stage_costs
 from .plans import planned_actions
 from .search import SearchResult, search

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import ConfigError
-from ..orders import ScheduleError
-from ..timeline import COMPUTE_KINDS, Timeline
-from ..config import validate_sizes
+from ..core.errors import ConfigError
+from ..schedules.orders import ScheduleError
+from ..core.timeline import COMPUTE_KINDS, Timeline
+from ..schedules.table import validate_sizes
 
 _COST_KEYS = {"f": "F", "b": "B", "i": "I", "w": "W", "p2p": "p2p"}
 _COST_EXAMPLE = "e.g. --cost F=1,B=2 or --cost F=1,I=1,W=1,p2p=0.1"

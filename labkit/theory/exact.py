@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 
-from ..config import ConfigError
+from ..core.errors import ConfigError
 from .cost import Cost
 from .search import SearchResult, evaluate, placement
 
@@ -140,7 +140,7 @@ def improve(seed: SearchResult, pp_size: int, n_microbatches: int, cost: Cost, *
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = max(1, int(workers))
     t0 = time.monotonic()
-    from ..progress import Progress
+    from ..core.progress import Progress
 
     bar = Progress(f"CP-SAT {seed.objective}", total=int(math.ceil(time_limit)), enabled=progress)
     state = {"best": seed.value, "bound": seed.bound or 0.0}

@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..orders import PlannedAction
+from ..schedules.orders import PlannedAction
 from .cost import Cost
 from .search import handcrafted, rank_spans, search  # handcrafted re-exported: the paper's Figure 3 orders
 from .simulate import simulate, simulate_order

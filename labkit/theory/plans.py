@@ -3,7 +3,7 @@
 The multi-stage schedules compute `pipeline_order` in their constructor, which we call with mock
 stages (no process group needed). GPipe and 1F1B run a hand-written loop in torch, mirrored here.
 torch is imported only when a multi-stage schedule is planned, so the rest of the kit stays fast.
-The rules for sizes and stages per rank are `labkit.config`'s. Taught in notebooks 04 and 05.
+The rules for sizes and stages per rank are `labkit.config.run`'s. Taught in notebooks 04 and 05.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable
 
-from ..config import ConfigError, ScheduleInfo, schedule_info, stage_placement, validate_sizes, validate_schedule
-from ..orders import PlannedAction, ScheduleError
-from ..timeline import COMPUTE_KINDS
+from ..core.errors import ConfigError
+from ..schedules.table import ScheduleInfo, schedule_info, stage_placement, validate_sizes, validate_schedule
+from ..schedules.orders import PlannedAction, ScheduleError
+from ..core.timeline import COMPUTE_KINDS
 
 
 def resolve(schedule: str, pp_size, n_microbatches, stages_per_rank: int | None) -> tuple[ScheduleInfo, int]:
-    """(the schedule, its stages per rank) after `labkit.config`'s checks; ConfigError says how to fix them.
+    """(the schedule, its stages per rank) after `labkit.config.run`'s checks; ConfigError says how to fix them.
 
     The microbatch rules of a RUN (`config.validate_microbatches`) are not applied: theory also
     answers for sizes torch refuses for 1F1B (notebook 03's bubble formula), and torch's own
@@ -75,7 +76,7 @@ def _torch_order(info, pp_size: int, m: int, stages_per_rank: int) -> dict[int, 
 
 def mock_schedule(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1):
     """torch's schedule object for rank 0, built with mock stages (no process group): enough for what
-    a schedule plans (`pipeline_order`) and what torch 2.15 analyses from it (`labkit.memory`)."""
+    a schedule plans (`pipeline_order`) and what torch 2.15 analyses from it (`labkit.worker.memory`)."""
     info = schedule_info(schedule)
     m = n_microbatches
     try:
@@ -161,5 +162,5 @@ def planned_actions(schedule: str, pp_size: int, n_microbatches: int,
         seen = sorted({s for _, s, _ in order[r]})
         if seen != sorted(expected[r]):
             raise ScheduleError(f"torch {torch_version()} places stages {seen} on rank {r} for {info.name}, but "
-                                f"labkit.config.stage_placement says {expected[r]}: please report this kit bug.")
+                                f"labkit.schedules.table.stage_placement says {expected[r]}: please report this kit bug.")
     return order

@@ -34,7 +34,7 @@ per stage, and one microbatch's whole chain through the pipeline.
 What it guarantees: every dependency holds and no rank ever holds more than `memory_limit` (checked
 on the result); its objective is never worse than any seed's that fits, so at any costs its bubble
 rate (the paper's) is at most ZB-H1's once K >= P and ZB-H2's once K >= 2P - 1 (tests). The order runs
-on torch's runtime as a CSV (`labkit.orders.order_csv`, torch's `_PipelineScheduleRuntime._load_csv`
+on torch's runtime as a CSV (`labkit.schedules.orders.order_csv`, torch's `_PipelineScheduleRuntime._load_csv`
 format), which adds the sends and receives itself. Taught in notebook 13.
 """
 
@@ -45,9 +45,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, product
 
-from ..config import ConfigError
-from ..orders import PlannedAction, check_order, normalize_order, order_csv
-from ..timeline import Timeline
+from ..core.errors import ConfigError
+from ..schedules.orders import PlannedAction, check_order, normalize_order, order_csv
+from ..core.timeline import Timeline
 from .cost import Cost
 from .simulate import simulate_order
 

@@ -2,15 +2,15 @@
 
 A rank runs its actions one after another, each as soon as the rank is free and its inputs have
 arrived (+ `Cost.p2p` from another rank). The result is the same `Timeline` as a measured run
-(source "theory"), so both can be drawn and compared with `labkit.plot`. An order that can never
+(source "theory"), so both can be drawn and compared with `labkit.timeline.plot`. An order that can never
 finish raises `ScheduleDeadlock`, naming the stuck ranks and what they wait for. Taught in
 notebooks 03 and 06 (`simulate`) and 08 (write your own schedule, `simulate_order`).
 """
 
 from __future__ import annotations
 
-from ..orders import PlannedAction, ScheduleError, check_order, describe, normalize_order
-from ..timeline import Action, Timeline
+from ..schedules.orders import PlannedAction, ScheduleError, check_order, describe, normalize_order
+from ..core.timeline import Action, Timeline
 from .cost import Cost, StageCosts
 from .plans import planned_actions, resolve, torch_version
 
@@ -161,7 +161,7 @@ def theory_json(timeline: Timeline) -> dict:
     peak activation memory per rank in 1F1B stage microbatches (a stage of a rank holding several
     weighs 1/stages_per_rank; held from F until B, or W when split), so that schedules can be compared
     at equal memory with `labkit search --memory-limit`."""
-    from ..orders import rank_orders
+    from ..schedules.orders import rank_orders
     from .search import memory_peak
 
     t = timeline.shifted()

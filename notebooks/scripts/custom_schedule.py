@@ -7,7 +7,7 @@ lists rank r's compute actions in order, one per cell, as `<stage><kind><microba
 (stage 0, forward, microbatch 1), `1B0` (full backward), `1I0` / `1W0` (backward for the inputs /
 for the weights). Stages live where the CSV puts them; the microbatch count is read from it.
 
-The stages are the controlled workload's (`labkit.workload.TimedBlock`): a forward takes
+The stages are the controlled workload's (`labkit.models.workload.TimedBlock`): a forward takes
 `--fwd-ms`, a full backward `--bwd-ms` (half for I, half for W), with `--mode sleep` so the
 schedule's shape survives a 2-core laptop. torch's runtime lowers the compute-only order into one
 with SEND/RECV actions (rank 0 writes it to `order_with_comms.csv`) and runs it. The first step is
@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from labkit import worker
-from labkit.orders import check_order, parse_action
-from labkit.reference import check_step
-from labkit.workload import TimedBlock, mse
+from labkit.worker import distributed as worker
+from labkit.schedules.orders import check_order, parse_action
+from labkit.worker.reference import check_step
+from labkit.models.workload import TimedBlock, mse
 
 
 def parse_args(argv=None):
@@ -54,7 +54,7 @@ def parse_args(argv=None):
 def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]], dict[int, int], int]:
     """(rows, stage -> rank, n_microbatches) of a compute-only CSV; ValueError says what is wrong.
 
-    Actions are read, and the order checked, by the kit's own rules (`labkit.orders`): the same
+    Actions are read, and the order checked, by the kit's own rules (`labkit.schedules.orders`): the same
     `parse_action` and `check_order` as the notebook's `simulate_order`.
     """
     with open(path, newline="") as f:
@@ -79,8 +79,8 @@ def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]
 
 def make_runtime(stages: list, n_microbatches: int, loss_fn, order_csv: str | os.PathLike):
     """torch's action runtime, loaded with our compute-only order (torch adds SEND/RECV itself):
-    `labkit.stages.runtime_from_csv`, the kit's one place that names torch's private runtime."""
-    from labkit.stages import runtime_from_csv
+    `labkit.worker.stages.runtime_from_csv`, the kit's one place that names torch's private runtime."""
+    from labkit.worker.stages import runtime_from_csv
 
     return runtime_from_csv(stages, n_microbatches, loss_fn, order_csv)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from labkit import worker
+from labkit.worker import distributed as worker
 
 VOCAB, DIM, HEADS, BATCH, SEQ, MICROBATCHES = 16, 8, 2, 4, 6, 2
 

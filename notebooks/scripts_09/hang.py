@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from labkit import worker
+from labkit.worker import distributed as worker
 
 
 def load_next_batch() -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from labkit import worker
+from labkit.worker import distributed as worker
 
 
 def forward_step(full: nn.Sequential, rank: int, device, x: torch.Tensor, n_microbatches: int):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .timeline import Timeline
+from ..core.timeline import Timeline
 
 
 def to_chrome_trace(tl: Timeline) -> dict:

@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, schedule_info
-from .timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.errors import ConfigError
+from ..schedules.table import schedule_info
+from ..core.timeline import COMPUTE_KINDS, Action, Timeline
 
 SOURCES = ("auto", "spans", "logs", "profiler")
 
@@ -40,8 +41,8 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
     controlled workload (actions of known length) they agree with the profiler within 0.03; on real
     models trimming can err either way (notebook 06), which is why spans are the default.
     """
-    from .logs.intervals import timeline_from_path
-    from .logs.sniff import EXPECTED
+    from ..logs.intervals import timeline_from_path
+    from ..logs.sniff import EXPECTED
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -56,30 +57,30 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
     if source == "auto" and not any(Path(p).is_dir() for p in paths):
         return _files_by_content(paths, trim)
     if source in ("spans", "auto"):
-        from .spans.paths import span_files
+        from ..spans.paths import span_files
 
         where = single if in_dir else Path(paths[0]).parent
         if span_files(where):
-            from .spans.read import timeline_from_spans
+            from ..spans.read import timeline_from_spans
 
             return timeline_from_spans(where)
         if source == "spans":
             raise FileNotFoundError(f"No spans in {where}: runs recorded before spans existed, or a job whose "
                                     f"ranks never imported torch's pipelining. Use --source logs.")
     if source in ("profiler", "auto") and single is not None:
-        from .logs.profiler import profile_files, timeline_from_profile
+        from ..logs.profiler import profile_files, timeline_from_profile
 
         if profile_files(single) or source == "profiler":
             return timeline_from_profile(single)
     if source == "auto" and in_dir:
-        from .logs.parse import log_files
+        from ..logs.parse import log_files
 
         if not log_files(single):
             raise FileNotFoundError(f"{single} holds no spans (spans/rank<N>.jsonl), no profiler traces "
                                     f"(profile/rank<N>.json) and no logs (logs/<id>/attempt_<n>/<rank>/stderr.log, "
                                     f"*.log, *.txt). {EXPECTED}")
     if source == "logs" and not any(Path(p).is_dir() for p in paths):
-        from .logs.sniff import file_kind, not_readable
+        from ..logs.sniff import file_kind, not_readable
 
         kinds = [(p, *file_kind(p)) for p in paths]
         if not any(kind == "log" for _, kind, _ in kinds):  # --source logs on a trace: say so, not an empty timeline
@@ -92,8 +93,8 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
 
 def _files_by_content(paths: list, trim: bool) -> Timeline:
     """`load_timeline(files, "auto")`: every file read as what it holds (`labkit.logs.sniff.file_kind`)."""
-    from .logs.intervals import timeline_from_path
-    from .logs.sniff import NO_PP_LINES, file_kind, not_readable
+    from ..logs.intervals import timeline_from_path
+    from ..logs.sniff import NO_PP_LINES, file_kind, not_readable
 
     found = {str(p): file_kind(p) for p in paths}
     kinds = {k for k, _ in found.values() if k}
@@ -107,13 +108,13 @@ def _files_by_content(paths: list, trim: bool) -> Timeline:
             "directory, one kind at a time.")
     kind = kinds.pop()
     if kind == "trace":
-        from .logs.profiler import timeline_from_profile
+        from ..logs.profiler import timeline_from_profile
 
         return timeline_from_profile(paths[0] if len(paths) == 1 else paths)
     if kind == "spans":
         if len(paths) > 1:
             raise ConfigError("Several spans files: pass the run or cell directory that holds them (its spans/ folder).")
-        from .spans.read import timeline_from_spans
+        from ..spans.read import timeline_from_spans
 
         return timeline_from_spans(paths[0])
     tl = timeline_from_path(paths, waits="trim" if trim else "fold")
@@ -181,7 +182,7 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
 def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
     """The schedule's ideal with THIS step's costs: each stage's own mean F, B, I, W (`fit_stage_costs`),
     so uneven stages stay uneven in the ideal; `meta["cost_spread"]` says how far the stages differ."""
-    from .theory import fit_stage_costs, simulate
+    from ..theory import fit_stage_costs, simulate
 
     costs = fit_stage_costs(tl)
     return _fitted(simulate(shape.schedule, shape.pp_size, shape.n_microbatches, shape.stages_per_rank, costs), costs)
@@ -196,7 +197,7 @@ def _fitted(ideal: Timeline, costs) -> Timeline:
 def uniform_ideal(tl: Timeline, shape: Shape) -> Timeline:
     """The schedule's ideal with one cost per kind (the mean over all stages: `fit_cost`), what the
     closed forms assume; `fitted_ideal` is this step's own."""
-    from .theory import fit_cost, simulate
+    from ..theory import fit_cost, simulate
 
     ideal = simulate(shape.schedule, shape.pp_size, shape.n_microbatches, shape.stages_per_rank, fit_cost(tl))
     ideal.meta["costs"] = "fitted"
@@ -218,7 +219,7 @@ def _run_order(path) -> dict | None:
 def order_ideal(tl: Timeline, order: dict) -> Timeline:
     """The ideal of a run whose order was given (--schedule-csv, labkit search): that order simulated
     with the costs fitted to the measurement (the search's prediction at the measured costs)."""
-    from .theory import fit_stage_costs, simulate_order
+    from ..theory import fit_stage_costs, simulate_order
 
     costs = fit_stage_costs(tl)
     return _fitted(simulate_order(order, cost=costs, meta={"schedule": "order from --schedule-csv"}), costs)
@@ -231,7 +232,7 @@ def measured_vs_ideal(path, source: str = "auto") -> tuple[Timeline, Timeline, d
     if len(views) > 1:
         raise ValueError(f"This run's ranks form {len(views)} pipelines ("
                          + "; ".join("ranks " + ", ".join(map(str, v[2]["ranks"])) for v in views)
-                         + "): each has its own ideal. Use labkit.compare.measured_vs_ideal_by_pipeline(path) "
+                         + "): each has its own ideal. Use labkit.timeline.compare.measured_vs_ideal_by_pipeline(path) "
                            "(`labkit timeline RUN --plot` draws each).")
     return views[0]
 

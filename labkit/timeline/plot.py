@@ -25,9 +25,10 @@ from typing import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from .config import ConfigError, schedule_info
-from .theory import closed_form_bubble
-from .timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
+from ..core.errors import ConfigError
+from ..schedules.table import schedule_info
+from ..theory import closed_form_bubble
+from ..core.timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
            "plot_pipelines", "plot_bubble_sweep", "plot_memory"]
@@ -210,7 +211,7 @@ def plot_side_by_side(measured: Timeline, ideal: Timeline, axes=None, by: str = 
 
 def plot_pipelines(views) -> Figure:
     """Each pipeline (replica) of a run, its measured step above its own fitted ideal: `views` as
-    `labkit.compare.pipelines_vs_ideal` gives them ([(measured, ideal, summary)], one per pipeline).
+    `labkit.timeline.compare.pipelines_vs_ideal` gives them ([(measured, ideal, summary)], one per pipeline).
     One time scale for all panels in the same unit. Returns a new Figure (notebook 12)."""
     views = list(views)
     if not views:

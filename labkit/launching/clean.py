@@ -8,42 +8,10 @@ jobs whose owner is alive). Nothing without those variables is ever touched.
 """
 
 from __future__ import annotations
-
-import ctypes
 import os
-import signal
-import sys
 from dataclasses import dataclass
-
 import psutil
-
-RUN_DIR_VAR = "LABKIT_RUN_DIR"
-OWNER_VAR = "LABKIT_OWNER"
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL): no orphans.
-    Called on both sides: by the launcher for torchrun's agent, and inside every rank
-    (`labkit.worker.init_distributed`)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def owner_token(pid: int | None = None) -> str:
-    p = psutil.Process(pid or os.getpid())
-    return f"{p.pid}:{p.create_time():.3f}"
-
-
-def owner_alive(token: str) -> bool:
-    try:
-        pid, started = token.split(":")
-        p = psutil.Process(int(pid))
-        return abs(p.create_time() - float(started)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
-    except (ValueError, psutil.Error):
-        return False
+from ..core.processes import OWNER_VAR, RUN_DIR_VAR, owner_alive
 
 
 @dataclass

@@ -277,7 +277,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     the check is a collective over it, and `losses` / `x` / `y` are the whole batch of all of them;
     kwargs: the unsplit model's other inputs for the whole batch (attention_mask, position_ids);
     tied: {name of a tied weight's copy on a stage: the unsplit model's name}, e.g. GPT-2's
-    {"lm_head.weight": "transformer.wte.weight"} (labkit.models.hf.TiedWeights.aliases): each copy
+    {"lm_head.weight": "transformer.wte.weight"} (labkit.models.tied.TiedWeights.aliases): each copy
     must hold the whole tied gradient (notebook 11); renamed: {name on a stage: the unsplit model's
     name} for a tied parameter that a stage holds once under its other name (a traced BERT);
     clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were.
@@ -288,7 +288,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     the ranks agree on it with one `all_gather_object`. Called by the kit's jobs and from `%%ranks`
     cells (notebook 01).
     """
-    from . import worker
+    from . import distributed as worker
 
     device = device if device is not None else (stages[0].device if stages else "cpu")
     tied, renamed = tied or {}, renamed or {}

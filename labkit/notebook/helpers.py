@@ -7,8 +7,8 @@ a hung job's stacks (`rank_locations`, `stack_frames`) print what does not chang
 compared by nbval. `solution(notebook, name)` loads an exercise's reference answer from the
 `solutions/` folder next to the notebook. Taught along the way in notebooks 00-09.
 
-The notebooks also import order and memory helpers from here; their owners are `labkit.orders`
-(notebooks 04, 05, 08) and `labkit.memory` (notebooks 01, 02, 04).
+The notebooks also import order and memory helpers from here; their owners are `labkit.schedules.orders`
+(notebooks 04, 05, 08) and `labkit.worker.memory` (notebooks 01, 02, 04).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import re
 import warnings
 from pathlib import Path
 
-from .launching.diagnose import stack_frames as diagnose_frames
-from .memory import param_groups, saved_activation_bytes
-from .orders import format_order, order_csv, peak_in_flight, rank_orders, torch_actions
+from ..launching.diagnose import stack_frames as diagnose_frames
+from ..worker.memory import param_groups, saved_activation_bytes
+from ..schedules.orders import format_order, order_csv, peak_in_flight, rank_orders, torch_actions
 
 __all__ = [
     "setup", "default_device", "pick_preset", "tree", "facts", "solution", "compress_names", "pipe_summary",
     "rank_locations", "stack_frames",
-    # owned by labkit.orders and labkit.memory, imported from here by the notebooks
+    # owned by labkit.schedules.orders and labkit.worker.memory, imported from here by the notebooks
     "format_order", "order_csv", "peak_in_flight", "rank_orders", "torch_actions", "param_groups",
     "saved_activation_bytes",
 ]
@@ -54,7 +54,7 @@ def setup(seed: int = 0) -> dict:
             ip.run_line_magic("config", "InlineBackend.figure_formats = ['png']")
     except Exception:
         pass
-    from .doctor import doctor
+    from ..doctor import doctor
 
     report = doctor()
     return {"device": report["default_device"], "gpus": report["gpus"], "torch": report["packages"]["torch"]}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import PRESETS, ModelPreset
+from ..config.presets import PRESETS, ModelPreset
 
 
 @dataclass

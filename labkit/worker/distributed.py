@@ -76,8 +76,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
     """Join the torchrun job: nccl on one GPU per rank, else gloo on CPU; a short timeout. The rank
     gets SIGTERM when its torchrun agent dies (even by SIGKILL): no orphans. Older torch gets the
     kit's workarounds first (`versions.apply_workarounds`)."""
-    from .clean import set_parent_death_signal
-    from .versions import apply_workarounds
+    from ..core.processes import set_parent_death_signal
+    from ..versions import apply_workarounds
 
     set_parent_death_signal()
     apply_workarounds()

@@ -90,14 +90,14 @@ def torch_liveness(schedule, pp_size: int, n_microbatches: int, stages_per_rank:
     """
     from torch.distributed import pipelining
 
-    from .orders import ScheduleError
-    from .theory.plans import mock_schedule
+    from ..schedules.orders import ScheduleError
+    from ..theory.plans import mock_schedule
 
     analyze = getattr(pipelining, "analyze_pipeline_activation_liveness", None)
     if analyze is None:
         raise ScheduleError("analyze_pipeline_activation_liveness needs torch 2.15 or newer "
                             "(labkit.versions.has('activation liveness')).")
-    from .config import stage_placement, schedule_info
+    from ..schedules.table import stage_placement, schedule_info
 
     if isinstance(schedule, str):
         sched = mock_schedule(schedule, pp_size, n_microbatches, stages_per_rank)
@@ -114,7 +114,7 @@ def torch_liveness(schedule, pp_size: int, n_microbatches: int, stages_per_rank:
 
 def _runtime_with_order(order, pp_size: int, n_microbatches: int):
     """torch's `_PipelineScheduleRuntime` for rank 0 (mock stage, no process group) with `order`
-    loaded through `_load_csv`, the route a real run takes (`labkit.stages.runtime_from_csv`)."""
+    loaded through `_load_csv`, the route a real run takes (`labkit.worker.stages.runtime_from_csv`)."""
     import tempfile
     from pathlib import Path
     from unittest import mock
@@ -122,7 +122,7 @@ def _runtime_with_order(order, pp_size: int, n_microbatches: int):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # private (torch 2.11-2.15)
 
-    from .orders import order_csv
+    from ..schedules.orders import order_csv
 
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = 0, pp_size, pp_size, 0

@@ -21,14 +21,22 @@ import time
 from pathlib import Path
 
 from .clean import clean, describe
-from .config import ConfigError, RunConfig
-from .launching.command import (DEFAULT_TIMEOUT_S, PP_LOG_FORMAT, job_env, preflight_device,  # noqa: F401
-                                preflight_torch, torchrun_command, validate_nodes)
-from .launching.diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
-from .launching.processes import descendants, die_with_parent, stop_job
-from .launching.rundir import LaunchError, Run, new_run_dir
-from .launching.stream import STREAMS, Streamer
-from .progress import Progress
+from ..core.errors import ConfigError
+from ..config.run import RunConfig
+from .command import (
+    DEFAULT_TIMEOUT_S,
+    PP_LOG_FORMAT,
+    job_env,
+    preflight_device,
+    preflight_torch,
+    torchrun_command,
+    validate_nodes,
+)
+from .diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
+from .processes import descendants, die_with_parent, stop_job
+from .rundir import LaunchError, Run, new_run_dir
+from .stream import STREAMS, Streamer
+from ..core.progress import Progress
 
 REFERENCE_JOB = "labkit.jobs.train"
 

@@ -1,6 +1,6 @@
 """The explorer's logic as pure functions: what the panel shows for given controls or a finished run.
 
-This module owns the explorer's views; `labkit.explorer` only wires them to widgets, so tests reach
+This module owns the explorer's views; `labkit.notebook.explorer` only wires them to widgets, so tests reach
 every decision without a browser or a kernel (`tests/test_explorer.py`). Taught in notebook 07 (the
 explorer) and used as a playground after notebooks 03 and 06.
 
@@ -9,7 +9,7 @@ explorer) and used as a playground after notebooks 03 and 06.
 - `theory_view`: the ideal timeline of the schedule and both bubble definitions, from
   `labkit.theory.simulate` (nothing is launched).
 - `measured_view`: a run's measured timeline beside the ideal fitted to its costs, from
-  `labkit.compare.measured_vs_ideal`.
+  `labkit.timeline.compare.measured_vs_ideal`.
 - `summarize_run`, `status_line`, `history_table_html`: the table of runs and the status line.
 
 matplotlib is imported only when a picture is made, so `import labkit` stays fast.
@@ -23,7 +23,9 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, schedule_info
+from ..core.errors import ConfigError
+from ..config.run import RunConfig
+from ..schedules.table import schedule_info
 
 __all__ = [
     "DEFAULT_CONTROLS", "CONTROL_NAMES", "validate", "stages_per_rank_for", "theory_view", "measured_view",
@@ -54,7 +56,7 @@ def validate(controls: dict, check_device: bool = True) -> tuple[RunConfig | Non
     try:
         cfg = RunConfig(**controls)
         if check_device:
-            from .launch import preflight_device, preflight_torch
+            from ..launching.launch import preflight_device, preflight_torch
 
             if cfg.device == "cuda":
                 preflight_device(cfg.device, cfg.pp_size)
@@ -114,7 +116,7 @@ def theory_view(cfg, png: bool = True) -> dict:
 
 @lru_cache(maxsize=128)
 def _theory_cached(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int) -> dict:
-    from .theory import Cost, closed_form_bubble, simulate
+    from ..theory import Cost, closed_form_bubble, simulate
 
     info = schedule_info(schedule)
     spr = stages_per_rank
@@ -154,10 +156,10 @@ def _png(fig) -> bytes:
 
 
 def timeline_png(timeline, width: float = 10.0) -> bytes:
-    """One timeline (theory or measured) drawn by `labkit.plot.plot_timeline`, as PNG bytes."""
+    """One timeline (theory or measured) drawn by `labkit.timeline.plot.plot_timeline`, as PNG bytes."""
     from matplotlib.figure import Figure
 
-    from .plot import plot_timeline
+    from ..timeline.plot import plot_timeline
 
     rows = max(len(timeline.ranks), 1)
     fig = Figure(figsize=(width, 1.3 + 0.4 * rows), layout="constrained")
@@ -168,13 +170,13 @@ def timeline_png(timeline, width: float = 10.0) -> bytes:
 def measured_view(run_dir, png: bool = True) -> dict:
     """The measured timeline of a run directory beside its ideal with the measured (fitted) costs.
 
-    Both come from `labkit.compare.measured_vs_ideal`: the last step, waits shown as idle time (the
+    Both come from `labkit.timeline.compare.measured_vs_ideal`: the last step, waits shown as idle time (the
     bubble), and the run's shape from its result.json (else from its logs). Keys: measured, ideal
     (Timelines), measured_metrics, ideal_metrics, cost (the fitted `Cost`), html, png (measured
     above ideal, one time scale), error (why there is no timeline, else None).
     """
-    from .compare import measured_vs_ideal  # lazily: only once a job has run
-    from .theory import fit_cost
+    from ..timeline.compare import measured_vs_ideal  # lazily: only once a job has run
+    from ..theory import fit_cost
 
     empty = {"measured": None, "ideal": None, "measured_metrics": None, "ideal_metrics": None, "cost": None,
              "png": None}
@@ -204,11 +206,11 @@ def measured_view(run_dir, png: bool = True) -> dict:
     ]
     lines.append("Measured from spans: both ends of every action, recorded in the ranks (labkit.spans)."
                  if measured.source == "spans" else
-                 "Measured from the PP logs, waits taken out (labkit.compare.load_timeline): starts are inferred.")
+                 "Measured from the PP logs, waits taken out (labkit.timeline.compare.load_timeline): starts are inferred.")
     view = {"measured": measured, "ideal": ideal, "measured_metrics": mm, "ideal_metrics": im, "cost": cost,
             "error": None, "html": "<br>".join(lines), "png": None}
     if png:
-        from .plot import plot_side_by_side
+        from ..timeline.plot import plot_side_by_side
 
         view["png"] = _png(plot_side_by_side(measured, ideal))
     return view

@@ -1,12 +1,12 @@
 """The explorer: one ipywidgets panel to pick a schedule and sizes, see the ideal timeline, and run it.
 
 This module owns the widget and nothing else: every decision is a pure function of
-`labkit.explorer_views` (validation, the ideal and measured views, the table of runs), and the
+`labkit.notebook.explorer_views` (validation, the ideal and measured views, the table of runs), and the
 `Explorer` class only wires those to widgets. Taught in notebook 07 (the explorer) and used as a
 playground after notebooks 03 and 06.
 
 - Theory answers instantly as the controls move (nothing is launched).
-- Run launches a real job (`labkit.launch.run`) in a background thread with live output and a
+- Run launches a real job (`labkit.launching.launch.run`) in a background thread with live output and a
   progress bar, then draws the measured timeline above the ideal one fitted to the measured costs,
   and adds a row to a table of the runs made so far. Stop ends the job cleanly (every rank
   stopped, the run marked "interrupted").
@@ -27,9 +27,21 @@ import traceback
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .config import DEVICES, PRESETS, SCHEDULES, SPLIT_MODES, ConfigError, RunConfig
-from .explorer_views import (CONTROL_NAMES, DEFAULT_CONTROLS, history_table_html, measured_view, stages_per_rank_for,
-                             status_line, summarize_run, theory_view, validate)
+from ..config.run import DEVICES, SPLIT_MODES, RunConfig
+from ..config.presets import PRESETS
+from ..schedules.table import SCHEDULES
+from ..core.errors import ConfigError
+from .explorer_views import (
+    CONTROL_NAMES,
+    DEFAULT_CONTROLS,
+    history_table_html,
+    measured_view,
+    stages_per_rank_for,
+    status_line,
+    summarize_run,
+    theory_view,
+    validate,
+)
 
 __all__ = ["Explorer", "explorer"]
 
@@ -51,7 +63,7 @@ class _RunState:
 
 class Explorer:
     """Builds the panel (`self.panel`, an ipywidgets VBox) and connects its controls to the pure
-    functions of `labkit.explorer_views`. `labkit.explorer()` returns the panel; `panel.explorer` is this object."""
+    functions of `labkit.notebook.explorer_views`. `labkit.notebook.explorer()` returns the panel; `panel.explorer` is this object."""
 
     def __init__(self, runs_root=None, timeout: float | None = None, **controls):
         import ipywidgets as w
@@ -236,7 +248,7 @@ class Explorer:
         self.progress.value = min(done, self.progress.max)
 
     def _job(self, cfg: RunConfig) -> None:
-        from .launch import run as launch_run
+        from ..launching.launch import run as launch_run
 
         kind = "failed"
         try:
@@ -283,7 +295,7 @@ def _panel_class():
 
 
 def explorer(runs_root=None, timeout: float | None = None, **controls):
-    """The explorer panel (an ipywidgets VBox): `labkit.explorer()` or `labkit.explorer(schedule="1F1B")`.
+    """The explorer panel (an ipywidgets VBox): `labkit.notebook.explorer()` or `labkit.notebook.explorer(schedule="1F1B")`.
 
     Controls default to a job a 2-core laptop runs in seconds (GPipe, pp_size 2, 4 microbatches,
     the "small" model, device auto). `runs_root` is where run directories go (default `runs/`);

@@ -16,16 +16,15 @@ unsplit model on the whole batch, with the timing switched off for the reference
 """
 
 from __future__ import annotations
-
 import os
 import time
 from dataclasses import asdict, dataclass, field
-
 import torch
 import torch.nn as nn
+from ..schedules.table import SCHEDULES, schedule_info, validate_microbatches, validate_schedule
+from ..core.errors import ConfigError
+from ..config.run import read_config_json
 
-from .config import (SCHEDULES, ConfigError, read_config_json, schedule_info, validate_microbatches,
-                     validate_schedule)
 
 MODES = ("sleep", "spin")
 
@@ -79,7 +78,7 @@ class TimedBlock(nn.Module):
 @dataclass
 class WorkloadConfig:
     """A run of the controlled job (`python -m labkit.jobs.controlled`); validated like RunConfig
-    (the same schedule rules, from labkit.config). The job reads it from its run directory's config.json."""
+    (the same schedule rules, from labkit.config.run). The job reads it from its run directory's config.json."""
 
     schedule: str = "GPipe"
     pp_size: int = 2
@@ -162,17 +161,3 @@ def make_batch(cfg: WorkloadConfig, device="cpu"):
 
 def mse(out, target):
     return ((out - target) ** 2).mean()
-
-
-def run_controlled(cfg: WorkloadConfig | None = None, **kwargs):
-    """Launch the controlled job (`labkit.jobs.controlled`); kwargs not of WorkloadConfig go to `launch`."""
-    from .launch import launch
-
-    fields = set(WorkloadConfig.__dataclass_fields__)
-    if cfg is None:
-        cfg = WorkloadConfig(**{k: v for k, v in kwargs.items() if k in fields})
-    elif any(k in fields for k in kwargs):
-        cfg = WorkloadConfig(**{**cfg.to_dict(), **{k: v for k, v in kwargs.items() if k in fields}})
-    launch_kw = {k: v for k, v in kwargs.items() if k not in fields}
-    launch_kw.setdefault("name", f"controlled-{cfg.schedule}-p{cfg.pp_size}-m{cfg.n_microbatches}-{cfg.mode}")
-    return launch("labkit.jobs.controlled", module=True, nproc=cfg.pp_size, config=cfg.to_dict(), **launch_kw)

@@ -17,7 +17,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from .config import RunConfig, layer_bounds
+from ..config.run import RunConfig
+from ..schedules.table import layer_bounds
 
 
 def manual_stage_module(full: nn.Module, stage: int, n_stages: int, bounds: list[int] | None = None) -> nn.Module:

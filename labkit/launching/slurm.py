@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 
-from .config import ConfigError
+from ..core.errors import ConfigError
 
 
 def slurm_script(kit_args: list[str], nodes: int, gpus_per_node: int = 0, job_name: str = "pplab",

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from .progress import Progress
+from ..core.progress import Progress
 
 
 def sweep(configs: Iterable, runner: Callable | None = None, title: str = "sweep", stream: str = "none",
           progress: bool = True, **launch_kw) -> list:
     """Run each config with `runner` (default: `labkit.run` for RunConfig, `run_controlled` for WorkloadConfig)."""
     from .launch import run
-    from .workload import WorkloadConfig, run_controlled
+    from ..models.workload import WorkloadConfig
+    from .controlled import run_controlled
 
     configs = list(configs)
     runs = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .logs import decode_action
-from .timeline import COMM_KINDS, COMPUTE_KINDS
+from ..logs import decode_action
+from ..core.timeline import COMM_KINDS, COMPUTE_KINDS
 
 __all__ = [
     "PlannedAction", "ScheduleError", "parse_action", "describe", "normalize_order", "check_order",
@@ -167,7 +167,7 @@ def peak_in_flight(order) -> dict[int, int]:
 def rank_peak_in_flight(order) -> dict[int, int]:
     """Per rank, the most (stage, microbatch) activations held at once over all of the rank's stages
     (the per-stage counts of `peak_in_flight` may peak at different times). What torch 2.15's
-    `analyze_pipeline_activation_liveness` computes, as `labkit.memory.torch_liveness` asks it."""
+    `analyze_pipeline_activation_liveness` computes, as `labkit.worker.memory.torch_liveness` asks it."""
     return _peak_held(order, lambda rank, stage: rank)
 
 

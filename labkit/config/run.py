@@ -6,98 +6,19 @@ Every error says how to fix the value (notebook 09 teaches the rules behind them
 """
 
 from __future__ import annotations
-
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from .presets import BLOCK_PREFIXES, LAYOUTS, ModelPreset, PRESETS, validate_model
+from ..core.errors import ConfigError, positive_int
+from ..schedules.table import SCHEDULES, ScheduleInfo, _divisors, layer_bounds, schedule_info, stage_placement, validate_microbatches, validate_schedule, validate_sizes
+
 
 SPLIT_MODES = ("manual", "tracer")
+
+
 DEVICES = ("auto", "cpu", "cuda")
-LAYOUTS = ("batch", "tutorial")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """What the kit needs to know about one torch schedule class."""
-
-    name: str
-    """Short name used on the command line (`GPipe`, `1F1B`, ...)."""
-    cls: str
-    """Class name in `torch.distributed.pipelining`."""
-    multi: bool
-    """True for `PipelineScheduleMulti` schedules (a list of stages per rank)."""
-    v_shaped: bool = False
-    """Stages `rank` and `2*pp_size-1-rank` live on a rank (needs exactly 2 stages per rank)."""
-    split_backward: bool = False
-    """Backward is split into I (input grad) and W (weight grad) actions."""
-
-
-SCHEDULES: dict[str, ScheduleInfo] = {
-    s.name: s
-    for s in (
-        ScheduleInfo("GPipe", "ScheduleGPipe", multi=False),
-        ScheduleInfo("1F1B", "Schedule1F1B", multi=False),
-        ScheduleInfo("Interleaved1F1B", "ScheduleInterleaved1F1B", multi=True),
-        ScheduleInfo("LoopedBFS", "ScheduleLoopedBFS", multi=True),
-        ScheduleInfo("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", multi=True, split_backward=True),
-        ScheduleInfo("ZBVZeroBubble", "ScheduleZBVZeroBubble", multi=True, v_shaped=True, split_backward=True),
-        ScheduleInfo("DualPipeV", "ScheduleDualPipeV", multi=True, v_shaped=True, split_backward=True),
-    )
-}
-
-
-def schedule_info(name: str) -> ScheduleInfo:
-    """Look a schedule up by name (case-insensitive, with or without the `Schedule` prefix)."""
-    key = name.strip().lower().removeprefix("schedule")
-    for info in SCHEDULES.values():
-        if info.name.lower() == key:
-            return info
-    raise ConfigError(
-        f"Unknown schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}."
-    )
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """Sizes of the tutorial's Transformer and of the batch it is trained on."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
-    batch_size: int
-    seq_len: int
-    note: str = ""
-
-
-PRESETS: dict[str, ModelPreset] = {
-    # A step well under a second with 2 ranks on 2 CPU cores.
-    "small": ModelPreset(dim=64, n_layers=8, n_heads=4, vocab_size=256, batch_size=8, seq_len=32,
-                         note="CPU laptops and CI"),
-    # Even smaller, for test suites that launch many jobs (batch 8, seq 16: never the same size, so a
-    # shape always says which dimension is which).
-    "tiny": ModelPreset(dim=32, n_layers=8, n_heads=2, vocab_size=64, batch_size=8, seq_len=16,
-                        note="test suites"),
-    # The small sizes with a 32k vocabulary: the output layer and loss weigh several blocks, so the
-    # last stage of an even split is the slowest (balancing, --split-points auto, labkit.models.balance).
-    "wide_vocab": ModelPreset(dim=64, n_layers=8, n_heads=4, vocab_size=32768, batch_size=8, seq_len=32,
-                              note="a heavy last stage: balancing"),
-    # The official tutorial's sizes: ~55 s per step on 2 CPU cores, meant for GPUs.
-    "tutorial": ModelPreset(dim=512, n_layers=8, n_heads=8, vocab_size=10000, batch_size=32, seq_len=500,
-                            note="GPUs (the official tutorial's sizes)"),
-}
-
-
-def positive_int(name: str, value, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be a whole number, got {value!r}. {hint}")
-    if value < 1:
-        raise ConfigError(f"{name} must be at least 1, got {value}. {hint}")
 
 
 def _flag(*flags: str, choices=None) -> dict:
@@ -332,31 +253,6 @@ def read_config_json(path: str | os.PathLike) -> dict:
                           f"--config PATH.") from None
 
 
-MODELS_EXTRA = "models"
-MODELS_INSTALL = ("pip install 'labkit[models]' (transformers>=5.23); in a clone of the lab: "
-                  ".venv/bin/pip install -e '.[models]'")
-BLOCK_PREFIXES = {"gpt2": "transformer.h", "bert": "bert.encoder.layer"}
-"""Where a family's blocks live, for split points given by module name (Llama's layout: model.layers)."""
-
-
-def validate_model(model: str, layout: str = "batch") -> None:
-    """`tutorial`, or a transformers model type with transformers installed (checked without importing it)."""
-    import importlib.util
-    import re
-
-    if not isinstance(model, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_\-]*", model):
-        raise ConfigError(f"model must be `tutorial` or a transformers model type in lower case (llama, gpt2, bert, "
-                          f"qwen2...), got {model!r}.")
-    if model == "tutorial":
-        return
-    if layout != "batch":
-        raise ConfigError(f"--layout {layout} is the tutorial Transformer's; --model {model} always has tokens "
-                          f"(batch, seq). Drop --layout.")
-    if importlib.util.find_spec("transformers") is None:
-        raise ConfigError(f"--model {model} builds transformers' own {model} model, and transformers is not "
-                          f"installed. Install the kit's `{MODELS_EXTRA}` extra: {MODELS_INSTALL}")
-
-
 def validate_checkpoints(cfg: "RunConfig") -> None:
     if cfg.clip_grad_norm is not None and not (isinstance(cfg.clip_grad_norm, (int, float)) and cfg.clip_grad_norm > 0):
         raise ConfigError(f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm!r}.")
@@ -376,6 +272,8 @@ def validate_checkpoints(cfg: "RunConfig") -> None:
 
 
 TOLERANCE = 1e-4      # RunConfig.tolerance's default
+
+
 TP_TOLERANCE = 1e-3   # its default with tensor parallelism (float32 sums in another order)
 
 
@@ -424,8 +322,8 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
                        inference: bool = False, v_shaped: bool = False) -> None:
     """An order --schedule-csv can run: one row per rank, stage r on rank r (or, with a V-shaped
     --schedule and --stages-per-rank 2, stages r and 2P-1-r), every dependency kept
-    (labkit.orders.check_order), the run's microbatch count."""
-    from .orders import check_order, parse_action
+    (labkit.schedules.orders.check_order), the run's microbatch count."""
+    from ..schedules.orders import check_order, parse_action
 
     if not os.path.isfile(path):
         raise ConfigError(f"--schedule-csv {path}: no such file. Write one with `labkit search ... --csv {path}`.")
@@ -457,44 +355,9 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
         raise ConfigError(f"--schedule-csv {path} cannot run:\n- " + "\n- ".join(problems))
 
 
-def validate_sizes(pp_size: int, n_microbatches: int) -> None:
-    """Ranks and microbatches are whole numbers >= 1 (RunConfig, WorkloadConfig and theory share this)."""
-    positive_int("pp_size", pp_size, "Pass --nproc N with N >= 1 ranks.")
-    positive_int("n_microbatches", n_microbatches, "Pass --microbatches M with M >= 1.")
-
-
-def validate_schedule(info: ScheduleInfo, pp_size: int, stages_per_rank: int | None, inference: bool = False) -> int:
-    """Stages per rank the schedule needs (default 1, or 2 for multi-stage); raises ConfigError with a fix."""
-    if stages_per_rank is None:
-        stages_per_rank = 2 if info.multi else 1
-    positive_int("stages_per_rank", stages_per_rank, "Pass --stages-per-rank K with K >= 1.")
-    if not info.multi and stages_per_rank != 1:
-        raise ConfigError(
-            f"{info.name} runs exactly one stage per rank, got --stages-per-rank {stages_per_rank}. "
-            f"Drop --stages-per-rank, or pick a multi-stage schedule such as Interleaved1F1B."
-        )
-    if info.multi and stages_per_rank == 1 and pp_size > 1:
-        raise ConfigError(
-            f"{info.name} is a multi-stage schedule: with one stage per rank use GPipe or 1F1B instead, "
-            f"or pass --stages-per-rank 2."
-        )
-    if info.v_shaped and stages_per_rank != 2:
-        raise ConfigError(
-            f"{info.name} is V-shaped: each rank holds stages rank and 2*pp_size-1-rank, so it needs "
-            f"exactly --stages-per-rank 2 (got {stages_per_rank})."
-        )
-    if inference and info.v_shaped:
-        raise ConfigError(
-            f"{info.name} cannot run forward-only: torch plans its I/W backward actions even with "
-            f"loss_fn=None and fails ('can't steal_bwd_input if this stage doesn't have backward'). "
-            f"For --inference use GPipe, 1F1B, Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
-        )
-    return stages_per_rank
-
-
 def validate_torch(torch_version: str) -> None:
     """A torch older than the kit supports is refused before anything starts (`versions.SUPPORTED`)."""
-    from .versions import SUPPORTED, parse, support_problem
+    from ..versions import SUPPORTED, parse, support_problem
 
     try:
         too_old = parse(torch_version) < SUPPORTED[0]
@@ -502,44 +365,6 @@ def validate_torch(torch_version: str) -> None:
         return
     if too_old:
         raise ConfigError(support_problem(torch_version))
-
-
-def validate_microbatches(info: ScheduleInfo, pp_size: int, n_stages: int, n_microbatches: int) -> None:
-    """Microbatch counts torch's schedules refuse, explained before anything starts."""
-    if info.name == "1F1B" and n_microbatches < n_stages:
-        raise ConfigError(
-            f"1F1B needs at least as many microbatches as stages ({n_stages}), got {n_microbatches}: with fewer "
-            f"it cannot reach its steady state (torch refuses it). Use --microbatches {n_stages} or more, or GPipe."
-        )
-    if info.v_shaped and n_microbatches < n_stages:
-        raise ConfigError(
-            f"{info.name} needs at least as many microbatches as stages ({n_stages}), got "
-            f"{n_microbatches}. Use --microbatches {n_stages} or more."
-        )
-    if info.name == "Interleaved1F1B" or info.name == "InterleavedZeroBubble":
-        rounds = max(1, n_microbatches // pp_size)
-        if n_microbatches % rounds:
-            raise ConfigError(
-                f"{info.name} runs microbatches in rounds of pp_size: {n_microbatches} microbatches "
-                f"on {pp_size} ranks give {rounds} rounds, which do not divide them. Use a multiple "
-                f"of {pp_size} microbatches (e.g. {pp_size * rounds})."
-            )
-
-
-def stage_placement(pp_size: int, stages_per_rank: int, v_shaped: bool) -> list[list[int]]:
-    """Stages on each rank. Loop: rank r holds r, r+p, r+2p...; V: rank r holds r and 2p-1-r."""
-    if v_shaped:
-        return [[r, 2 * pp_size - 1 - r] for r in range(pp_size)]
-    return [[r + k * pp_size for k in range(stages_per_rank)] for r in range(pp_size)]
-
-
-def layer_bounds(n_layers: int, n_stages: int) -> list[int]:
-    """Layer index where each stage starts, plus n_layers at the end (as even as possible)."""
-    return [round(s * n_layers / n_stages) for s in range(n_stages + 1)]
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -1,0 +1,4 @@
+"""What a run is, checked before anything starts: presets (`presets`) and `RunConfig` with every rule
+about a valid run (`run`). Imports no torch.
+
+May import: labkit.core, labkit.schedules, labkit.versions."""

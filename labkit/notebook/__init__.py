@@ -1,0 +1,4 @@
+"""The notebook face: the explorer (pure views, then widget wiring), the notebooks' setup call and
+deterministic views (`helpers`), the nbval plugin.
+
+May import: everything below it (launching, ranks, timeline, theory, config, ...)."""

@@ -1,0 +1,57 @@
+"""What a finished cell left, read back: its directory, its PP log events, its measured timeline (spans,
+else logs) and where its idle time went, one pipeline at a time (notebooks 04-06 and 12). `Ranks`
+inherits these."""
+
+from __future__ import annotations
+
+from .errors import RanksError
+
+
+class CellReadings:
+    """Readings of the cells a pool ran: needs `run_dir` and `last_cell`."""
+
+    def cell_dir(self, n: int | None = None):
+        n = self.last_cell if n is None else n
+        if n is None:
+            raise RanksError("No cell has run on this pool yet.")
+        return self.run_dir / "cells" / f"{n:03d}"
+
+    def events(self, cell: int | None = None):
+        """The parsed PP log lines (`labkit.logs.Event`s) of a cell (the last by default), for
+        `labkit.logs.explain_idle` and anything else that reads the lines themselves."""
+        from ..logs import parse_files
+
+        return parse_files(sorted(self.cell_dir(cell).glob("rank*.log")))
+
+    def timeline(self, cell: int | None = None):
+        """The measured `Timeline` of a cell (the last by default): its spans (both ends of every action
+        measured in the ranks), or, for a cell without spans, its PP logs with the waits taken out.
+        Every rank's actions; when the ranks formed several pipelines (pp x dp), `tl.pipelines` lists
+        them (from the groups the ranks' stages were built on) and `tl.split_pipelines()` splits it."""
+        from ..timeline.compare import load_timeline
+
+        from ..spans.paths import span_files
+
+        d = self.cell_dir(cell)
+        if span_files(d):  # both ends of every action measured in the ranks (labkit.spans)
+            tl = load_timeline(d, "spans")
+            if tl.compute():
+                return tl
+        files = {int(p.stem[4:]): p for p in d.glob("rank*.log") if p.stem[4:].isdigit() and p.stat().st_size > 0}
+        if not files:
+            raise RanksError(f"Cell {int(d.name)} logged no pipelining actions ({d} has no rank*.log): run a "
+                             f"schedule's step() in the cell, then ask for its timeline.")
+        tl = load_timeline([p for _, p in sorted(files.items())])  # rank from the name: cells/007/rank1.log -> 1
+        tl.meta["files"] = [str(p) for _, p in sorted(files.items())]
+        if not tl.compute():
+            raise RanksError(f"Cell {int(d.name)}'s PP logs hold no forward/backward actions ({d}): did the cell "
+                             f"call schedule.step()?")
+        return tl
+
+    def idle(self, cell: int | None = None):
+        """Where the cell's last step's idle time went, by cause and per gap, from its spans
+        (`labkit.spans.explain_idle_spans`; `.text()` says it in words). When the ranks formed several
+        pipelines (a (pp, dp) mesh): one report per pipeline (`labkit.spans.idle.IdleByPipeline`)."""
+        from ..spans import explain_idle_by_pipeline
+
+        return explain_idle_by_pipeline(self.cell_dir(cell))

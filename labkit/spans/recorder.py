@@ -1,0 +1,174 @@
+"""The spans of one process (`Recorder`): numbered by step, kept until the step ends, then written as
+one JSON line each to the current file, with the kit's own time around each action (`pre`, `post`,
+`kit`) and a closing `end_step` line. `labkit.spans.record` creates one per rank and feeds it from
+its wrappers; `labkit.spans.read` reads the lines back."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .paths import OFF_VAR
+
+PATCHED: set[str] = set()
+"""Which of torch's functions `labkit.spans.record` wrapped in this process (a span file's meta says)."""
+
+COMPUTE = ("F", "B", "I", "W")
+
+_clock = time.time
+
+
+class Recorder:
+    """The spans of one process. `path`: the file a step's spans go to (None: kept until one is set)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, rank: int | None = None):
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.path = Path(path) if path else None
+        self.enabled = os.environ.get(OFF_VAR, "1") != "0"
+        self.buf: list[list] = []      # [kind, stage, mb, start, end, what]; start/end: float or CUDA event
+        self.step = 0
+        self.depth = 0                 # nested step()/eval() calls count once
+        self.p2p_depth = 0
+        self.tags: dict[int, str] = {}  # id(work) -> "send" | "recv" | "both", this step's works
+        self.cuda = None               # (host time, event) of the current step's base, on CUDA
+        self.device = None             # torch.device of the stages seen (cuda: events)
+        self.meta_written: set[Path] = set()
+        self.schedule = ""              # the class of the schedule whose step is running
+        self.kit = 0.0                 # this step's seconds in the kit's wrappers (host clock), measured
+        self.calls = 0                 # wrapped calls this step
+        self.loose: list[list[float]] = []  # host intervals of the kit's code in calls without a span
+        self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
+
+    # ---- clocks
+    def _on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _base(self):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        ev = torch.cuda.Event(enable_timing=True)
+        t0 = _clock()
+        ev.record()
+        self.cuda = (t0, ev)
+
+    def now(self):
+        """A span's end: the host clock on CPU, a CUDA event on the current stream on CUDA."""
+        if self._on_cuda():
+            import torch
+
+            if self.cuda is None:
+                self._base()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return _clock()
+
+    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "") -> list:
+        row = [kind, stage, mb, start, end, what, 0.0, 0.0, ()]  # + the kit's own: pre, post, loose pieces
+        if self.loose:
+            row[8], self.loose = self.loose, []
+        self.buf.append(row)
+        return row
+
+    def own(self, row: list | None, t_in: float, t_call: float, t_back: float, t_out: float) -> None:
+        """A wrapped call's own time, host clock: its entry `t_in` to torch's call `t_call`, and that
+        call's return `t_back` to its exit `t_out`. With a span (`row`) the two pieces are its pre and
+        post; without one (inside a step) they go on the next span's line."""
+        pre, post = t_call - t_in, t_out - t_back
+        self.kit += pre + post
+        self.calls += 1
+        if row is not None:
+            row[6], row[7] = pre, post
+        elif self.depth:
+            self.loose += ([t_in, t_call], [t_back, t_out])
+
+    # ---- steps
+    def begin_step(self, schedule: str = "") -> None:
+        self.depth += 1
+        if self.depth == 1 and schedule:
+            self.schedule = schedule
+        if self.depth == 1 and self._on_cuda():
+            self._base()
+
+    def end_step(self, times: tuple[float, float, float] | None = None) -> None:
+        """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock)."""
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.flush(times)
+
+    def flush(self, times: tuple[float, float, float] | None = None) -> None:
+        """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
+        step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it."""
+        kit, calls, loose = self.kit, self.calls, self.loose
+        self.kit, self.calls, self.loose = 0.0, 0, []
+        if not self.buf:
+            self.tags.clear()
+            return
+        if loose:  # after the step's last span: on its line
+            self.buf[-1][8] = [*self.buf[-1][8], *loose]
+        host = all(isinstance(x[3], float) for x in self.buf)  # the kit's pieces sit on host-clock spans only
+        rows = self._resolve(self.buf)
+        self.buf, step = [], self.step
+        self.step += 1
+        self.tags.clear()
+        self.cuda = None
+        pipeline, self.pipeline = self.pipeline, None
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            if self.path not in self.meta_written:
+                self.meta_written.add(self.path)
+                f.write(json.dumps({"meta": self.meta()}) + "\n")
+            begin = {"begin_step": step, "schedule": self.schedule}
+            if pipeline:  # which ranks form this rank's pipeline (labkit.core.timeline.group_pipelines)
+                begin["pipeline"] = pipeline
+            f.write(json.dumps(begin) + "\n")
+            for kind, stage, mb, s, e, what, pre, post, pieces in rows:
+                row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
+                       "start": round(s, 7), "end": round(e, 7)}
+                if what:
+                    row["what"] = what
+                if host and (pre or post):
+                    row["pre"], row["post"] = round(pre, 9), round(post, 9)
+                if host and pieces:
+                    row["kit"] = [[round(a, 7), round(b, 7)] for a, b in pieces]
+                f.write(json.dumps(row) + "\n")
+            if times is not None:
+                f.flush()  # writing is the kit's too: measured up to the last line
+                t_in, t_call, t_back = times
+                now = _clock()
+                book = (t_call - t_in) + (now - t_back)
+                f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
+                                    "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls}) + "\n")
+
+    def _resolve(self, buf: list[list]) -> list[list]:
+        if not any(not isinstance(x[3], float) for x in buf):
+            return buf
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        t0, base = self.cuda if self.cuda is not None else (None, None)
+        out = []
+        for kind, stage, mb, s, e, what, *own in buf:
+            if isinstance(s, float):
+                out.append([kind, stage, mb, s, e, what, *own])
+            else:
+                out.append([kind, stage, mb, t0 + base.elapsed_time(s) / 1e3, t0 + base.elapsed_time(e) / 1e3, what,
+                            *own])
+        return out
+
+    def meta(self) -> dict:
+        import torch
+
+        return {"rank": self.rank, "pid": os.getpid(), "torch": torch.__version__,
+                "clock": "cuda events (device time, placed on the host clock at each step's start)"
+                if self._on_cuda() else "host (time.time)", "hooks": sorted(PATCHED)}
+
+    def use_file(self, path: str | os.PathLike | None) -> None:
+        """Send the next steps' spans to `path` (a live-ranks cell's file); what is buffered goes first."""
+        self.flush()
+        self.path = Path(path) if path else None

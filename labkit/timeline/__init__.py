@@ -1,0 +1,5 @@
+"""Timelines read and compared: a measured run beside its fitted ideal (`compare`), matplotlib
+drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The data model itself is
+`labkit.core.timeline`.
+
+May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
