@@ -389,12 +389,16 @@ def test_fit_cost_of_measured_timeline_is_in_seconds():
 def test_theory_json():
     tl = simulate("Interleaved1F1B", 2, 4, cost="F=1,B=2")
     out = theory_json(tl)
-    assert set(out) == {"actions", "makespan", "bubble_fraction", "bubble_ratio", "meta"}
+    assert set(out) == {"actions", "makespan", "bubble_fraction", "bubble_ratio", "meta", "peak"}
     assert set(out["actions"][0]) == {"rank", "stage", "microbatch", "kind", "start", "end"}
     assert len(out["actions"]) == 2 * 2 * 4 * 2
     assert out["makespan"] == tl.metrics()["makespan"]
     assert out["meta"]["cost"] == {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "p2p": 0.0, "unit": "units"}
     json.dumps(out)  # serialisable as is
+    # each built-in schedule's peak activation memory per rank, in 1F1B stage microbatches (issue 32):
+    # 1F1B holds p - r on rank r; ZBVZeroBubble holds 1F1B's first-rank peak on every rank
+    assert theory_json(simulate("1F1B", 4, 8))["peak"] == {"0": 4, "1": 3, "2": 2, "3": 1}
+    assert theory_json(simulate("ZBVZeroBubble", 4, 8, 2))["peak"] == {str(r): 4 for r in range(4)}
 
 
 # --- against real runs ---------------------------------------------------------------------------
