@@ -34,7 +34,7 @@ RUN_TIMEOUT_MS = 180_000
 
 NOTEBOOK_CELLS = [
     "import sys\nimport labkit\nprint('kernel prefix:', sys.prefix)",
-    "labkit.notebook.explorer(runs_root='runs', timeout=170)",
+    "labkit.explorer(runs_root='runs', timeout=170)",
 ]
 
 

@@ -261,7 +261,7 @@ def no_launch(monkeypatch):
 
 
 def test_display_launches_and_prints_nothing(no_launch, capsys):
-    panel = labkit.notebook.explorer()
+    panel = labkit.explorer()
     assert isinstance(panel, widgets.VBox)
     assert repr(panel) == "PP Lab explorer (GPipe, pp_size=2, 4 microbatches): press Run to launch a job"
     bundle = panel._repr_mimebundle_()
@@ -275,7 +275,7 @@ def test_display_launches_and_prints_nothing(no_launch, capsys):
 
 
 def test_dom_hooks(no_launch):
-    panel = labkit.notebook.explorer()
+    panel = labkit.explorer()
     ex = panel.explorer
     hooks = {"pplab-explorer": panel, "pplab-run": ex.run_button, "pplab-stop": ex.stop_button,
              "pplab-status": ex.status, "pplab-timeline": ex.timeline_image, "pplab-history": ex.history,
@@ -288,7 +288,7 @@ def test_dom_hooks(no_launch):
 
 
 def test_controls_update_theory_and_validation(no_launch):
-    ex = labkit.notebook.explorer().explorer
+    ex = labkit.explorer().explorer
     ex.schedule.value = "1F1B"
     ex.n_microbatches.value = 8
     assert "Ideal 1F1B</b>, pp_size=2, 8 microbatches" in ex.theory_text.value and "11.1%" in ex.theory_text.value
@@ -319,7 +319,7 @@ def test_run_and_stop_wiring(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(launch_mod, "run", fake_run)
-    ex = labkit.notebook.explorer(runs_root=tmp_path / "runs").explorer
+    ex = labkit.explorer(runs_root=tmp_path / "runs").explorer
     ex.start()
     ex.wait(60)
     (got, progress, check, kw), = calls
@@ -357,7 +357,7 @@ def test_launcher_errors_end_in_the_status(monkeypatch):
         raise ConfigError("--device cuda with 2 ranks on this node needs 2 GPUs")
 
     monkeypatch.setattr(launch_mod, "run", refuse)
-    ex = labkit.notebook.explorer().explorer
+    ex = labkit.explorer().explorer
     ex.start()
     ex.wait(60)
     assert ex.status.value.startswith("not launched: --device cuda")
@@ -369,7 +369,7 @@ def test_launcher_errors_end_in_the_status(monkeypatch):
 
 
 def test_real_run_through_the_widget(runs):
-    ex = labkit.notebook.explorer(runs_root=runs, timeout=240, preset="tiny").explorer
+    ex = labkit.explorer(runs_root=runs, timeout=240, preset="tiny").explorer
     t0 = time.monotonic()
     ex.start()
     ex.wait(300)

@@ -23,6 +23,11 @@ def _hf():
     return hf
 
 
+def _tied():
+    from labkit.models import tied
+    return tied
+
+
 def _stages_in_sequence(hf, model_type, bounds, kwargs_for_stages=True):
     full = hf.build_hf(model_type, TINY, seed=0)
     x, y, kw = hf.make_batch(model_type, TINY, 8, 0)
@@ -42,7 +47,7 @@ def test_manual_stages_in_sequence_equal_the_unsplit_model(model_type, family):
     assert float((h - full(x, **kw).logits).detach().abs().max()) < 1e-5
     # every parameter of the unsplit model is on exactly one stage, under its own name (tied: twice)
     names = [n for st in stages for n, _ in st.named_parameters()]
-    tied = {n for g in hf.tied_groups(full) for n in g[1:]}
+    tied = {n for g in _tied().tied_groups(full) for n in g[1:]}
     assert sorted(n for n in names if n not in tied) == sorted(n for n, _ in full.named_parameters())
 
 
@@ -74,7 +79,7 @@ def test_untied_gpt2_needs_no_sum():
     # The other way out: two independent matrices (a different model, more parameters, no communication).
     hf = _hf()
     full = hf.build_hf("gpt2", TINY, untie=True)
-    assert hf.tied_groups(full) == [] and full.lm_head.weight is not full.transformer.wte.weight
+    assert _tied().tied_groups(full) == [] and full.lm_head.weight is not full.transformer.wte.weight
     x, y, kw = hf.make_batch("gpt2", TINY, 8, 0)
     stages = [hf.manual_stage("gpt2", TINY, full, s, [0, 4, 8], "cpu", untie=True) for s in range(2)]
     hf.loss_fn(stages[1](stages[0](x, **kw), **kw), y).backward()

@@ -69,7 +69,7 @@ DRIVER = textwrap.dedent("""
     import labkit
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        labkit.launching.launch(sys.argv[1], nproc=2, out=sys.argv[2], progress=False, timeout=None)
+        labkit.launch(sys.argv[1], nproc=2, out=sys.argv[2], progress=False, timeout=None)
     except KeyboardInterrupt:
         print("driver saw KeyboardInterrupt", flush=True)
         sys.exit(130)

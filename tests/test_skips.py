@@ -97,7 +97,7 @@ def test_traced_transformers_model_on_four_stages(model_type):
     each stage reads only its predecessor, and the four stages chained give the unsplit model's logits
     and gradients."""
     from labkit.config.presets import PRESETS
-    from labkit.models import hf
+    from labkit.models import hf, tied
 
     tiny = PRESETS["tiny"]
     full = hf.build_hf(model_type, tiny, seed=0)
@@ -110,7 +110,7 @@ def test_traced_transformers_model_on_four_stages(model_type):
     assert float((logits - want).detach().abs().max()) < 1e-5
     hf.loss_fn(logits, y).backward()
     hf.loss_fn(want, y).backward()
-    canonical = {n: g[0] for g in hf.tied_groups(full) for n in g}  # GPT-2: lm_head.weight is wte's
+    canonical = {n: g[0] for g in tied.tied_groups(full) for n in g}  # GPT-2: lm_head.weight is wte's
     got = {}
     for s in range(pipe.num_stages):
         for n, p in pipe.get_stage_module(s).named_parameters():

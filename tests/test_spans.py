@@ -18,6 +18,7 @@ import torch
 from labkit.timeline.compare import load_timeline, one_step
 from labkit.spans import explain_idle_spans, read_spans, timeline_from_spans
 from labkit.spans import record as rec_mod
+from labkit.spans import recorder as recorder_mod
 from labkit.spans.read import Span
 
 from conftest import labkit_cli
@@ -52,7 +53,7 @@ def test_on_cuda_the_ends_are_device_events_read_after_the_step(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     host = iter([1000.0, 5000.0, 9000.0])  # host clock reads: only the step's base may use it
-    monkeypatch.setattr(rec_mod, "_clock", lambda: next(host))
+    monkeypatch.setattr(recorder_mod, "_clock", lambda: next(host))  # the clock the Recorder reads
     r = rec_mod.Recorder(tmp_path / "rank0.jsonl", rank=0)
     r.device = types.SimpleNamespace(type="cuda")
     r.begin_step("Schedule1F1B")          # synchronize, host time 1000.0, base event at device 0.0

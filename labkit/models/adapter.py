@@ -61,11 +61,11 @@ class HFAdapter:
     KWARGS = ("attention_mask", "position_ids")
 
     def __init__(self, cfg: RunConfig):
-        from . import hf
+        from . import hf, tied
 
         hf.require_transformers()
         self.cfg = cfg
-        self.tied = hf.TiedWeights()
+        self.tied = tied.TiedWeights()
 
     @property
     def tied_aliases(self) -> dict:
@@ -102,7 +102,7 @@ class HFAdapter:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
 
-        from . import hf
+        from . import hf, tied
 
         cfg = self.cfg
         bounds = bounds or cfg.layer_bounds()
@@ -112,7 +112,7 @@ class HFAdapter:
         new_group = dist.new_group if dist.is_initialized() else (lambda ranks: None)
         if cfg.split == "manual":
             meta = hf.build_hf(cfg.model_name, cfg.model, device="meta")
-            tied_names = {n for g in hf.tied_groups(meta) for n in g}
+            tied_names = {n for g in tied.tied_groups(meta) for n in g}
 
             def names(s):  # a stage holding a tied weight twice holds ONE tensor, under its first name
                 paths = hf.stage_paths(meta, s, bounds)
@@ -120,11 +120,11 @@ class HFAdapter:
                         if hf._owned(nm, paths) and (nm not in tied_names or _first_owned(meta, nm, paths))]
 
             if par is None:
-                self.tied = hf.find_tied(meta, bounds, names, rank_of.get, new_group)
+                self.tied = tied.find_tied(meta, bounds, names, rank_of.get, new_group)
             else:  # one set of tied groups per pipeline (every rank creates them all); keep our pipeline's
                 for dp in range(par.dp_size):
                     for tp in range(par.tp_size):
-                        tw = hf.find_tied(meta, bounds, names, lambda s: par.global_rank(rank_of[s], dp, tp), new_group)
+                        tw = tied.find_tied(meta, bounds, names, lambda s: par.global_rank(rank_of[s], dp, tp), new_group)
                         if (dp, tp) == (par.dp_rank, par.tp_rank):
                             self.tied = tw
             stages = [PipelineStage(hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, device), s, n, device,
@@ -135,7 +135,7 @@ class HFAdapter:
             mb = cfg.batch_size // cfg.n_microbatches
             pipe = hf.trace_pipe(full, bounds, x[:mb].to(device), {k: v[:mb].to(device) for k, v in kw.items()})
             dropped = {s: hf.drop_unused_parameters(pipe.get_stage_module(s)) for s in range(n)}
-            self.tied = hf.find_tied(full, bounds,
+            self.tied = tied.find_tied(full, bounds,
                                      lambda s: [nm for nm, _ in pipe.get_stage_module(s).named_parameters()],
                                      rank_of.get, new_group)
             if cfg.info.v_shaped:
@@ -193,8 +193,8 @@ class HFAdapter:
 
 
 def _first_owned(model: nn.Module, name: str, paths: list[str]) -> bool:
-    from . import hf
-    for g in hf.tied_groups(model):
+    from . import hf, tied
+    for g in tied.tied_groups(model):
         if name in g:
             return name == next(n for n in g if hf._owned(n, paths))
     return True

@@ -63,7 +63,7 @@ class _RunState:
 
 class Explorer:
     """Builds the panel (`self.panel`, an ipywidgets VBox) and connects its controls to the pure
-    functions of `labkit.notebook.explorer_views`. `labkit.notebook.explorer()` returns the panel; `panel.explorer` is this object."""
+    functions of `labkit.notebook.explorer_views`. `labkit.explorer()` returns the panel; `panel.explorer` is this object."""
 
     def __init__(self, runs_root=None, timeout: float | None = None, **controls):
         import ipywidgets as w
@@ -295,7 +295,7 @@ def _panel_class():
 
 
 def explorer(runs_root=None, timeout: float | None = None, **controls):
-    """The explorer panel (an ipywidgets VBox): `labkit.notebook.explorer()` or `labkit.notebook.explorer(schedule="1F1B")`.
+    """The explorer panel (an ipywidgets VBox): `labkit.explorer()` or `labkit.explorer(schedule="1F1B")`.
 
     Controls default to a job a 2-core laptop runs in seconds (GPipe, pp_size 2, 4 microbatches,
     the "small" model, device auto). `runs_root` is where run directories go (default `runs/`);
