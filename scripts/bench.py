@@ -472,17 +472,20 @@ def tutorial_vs_kit(sizes: str = "small", steps: int = 10, n: int = 3, device: s
     return {**_ratio(*_pairs(kit, tutorial, n)), "sizes": sizes, "steps": steps, "device": device}
 
 
-def paper_comparison(search_models=("1.5B", "6.2B"), search_max_m: int = 32, time_limit: float = 0.0) -> dict:
+def paper_comparison(search_models=("1.5B", "6.2B", "14.6B", "28.3B"), search_max_m: int = 256,
+                     time_limit: float = 0.0) -> dict:
     """The zero-bubble paper's bubble rates (arXiv:2401.10241v1 Table 5, from its Table 9 costs) beside the
     kit's: 1F1B, ZB-H1, ZB-H2 simulated at all 12 settings; the kit's search (memory limits p and 2p, the
-    paper's ZB-1p / ZB-2p, with the paper's memory count R = 32h/(34h+5as)) where it is fast enough (p=8,
-    m <= search_max_m), with the exact model for `time_limit` seconds per search when > 0 (needs
-    OR-Tools). Each search's seconds are in its row's "searched"."""
+    paper's ZB-1p / ZB-2p, with the paper's memory count R = 32h/(34h+5as); seeds and the authors'
+    heuristic) at every setting by default, with the exact model for `time_limit` seconds per search when
+    > 0 (needs OR-Tools). Each search's seconds are in its row's "searched", the whole table's in "seconds"."""
     from labkit.theory import paper
 
     chosen = [s for s in paper.SETTINGS if s.model in search_models and s.m <= search_max_m]
-    return {"citation": paper.CITATION, "time_limit": time_limit,
-            "rows": paper.comparison(search_settings=chosen, time_limit=time_limit)}
+    t0 = time.monotonic()
+    rows = paper.comparison(search_settings=chosen, time_limit=time_limit)
+    return {"citation": paper.CITATION, "time_limit": time_limit, "rows": rows,
+            "seconds": round(time.monotonic() - t0, 1), "cpus": os.cpu_count(), "load": round(os.getloadavg()[0], 1)}
 
 
 def _paper_rows(pc: dict | None) -> list[str]:
@@ -494,9 +497,10 @@ def _paper_rows(pc: dict | None) -> list[str]:
              f"({pc['citation']}{'; computed ' + pc['date'] if pc.get('date') else ''}). The kit simulates torch's 1F1B and "
              "the paper's handcrafted ZB-H1 / ZB-H2 orders with Table 9's costs; its ZB-1p / ZB-2p are `labkit.theory.search` "
              "at memory limits p / 2p microbatches with the paper's memory count (W holds R = 32h/(34h+5as) of a microbatch's "
-             "activations after B; list scheduling seeded like the paper with ZB-H1 / ZB-H2, then CP-SAT where a time limit "
-             "is given; ranked by the same longest stage, so never above them; '-': not searched, too slow at that size). "
-             "1F1B-I is not reproduced (per-chunk costs not in the paper).", "",
+             "activations after B; seeded with ZB-H1 / ZB-H2 and the authors' own heuristic, `labkit.theory.zbheuristic`, "
+             "then CP-SAT where a time limit is given; ranked by the same longest stage, so never above them; '-': not "
+             "searched). 1F1B-I is not reproduced (per-chunk costs not in the paper)."
+             + (f" The whole table took {pc['seconds']} s ({pc['cpus']} CPUs, load average {pc['load']})." if "seconds" in pc else ""), "",
              "| model | p | m | " + " | ".join(cols) + " | 1F1B-I (paper) |", "| --- | --- | --- |" + " --- |" * (len(cols) + 1)]
     for r in pc["rows"]:
         lines.append(f"| {r['model']} | {r['p']} | {r['m']} | " + " | ".join(cell(r, k) for k in cols)

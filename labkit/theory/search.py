@@ -10,9 +10,9 @@ its ILP):
    has arrived if memory allows, a deferred W (it fills time the rank would otherwise idle, and
    frees memory); otherwise it waits for the next arrival. Variants of the rule (how many W a rank
    may defer, F before I, how many extra forwards in the warm-up) are all tried, beside handcrafted
-   orders: the paper's ZB-H1 and ZB-H2 (its Figure 3) and 1F1B with I and W back to back, or with
-   two stages per rank torch's ZBVZeroBubble and DualPipeV, each kept only if valid and within the
-   limit.
+   orders: the paper's ZB-H1 and ZB-H2 (its Figure 3), 1F1B with I and W back to back and the
+   zero-bubble authors' own heuristic (`labkit.theory.zbheuristic`, W only into bubbles, the rest
+   last), or with two stages per rank torch's ZBVZeroBubble and DualPipeV; each kept if it fits.
 2. **An exact model** (`labkit.theory.exact`, OR-Tools CP-SAT, optional: `pip install labkit[search]`)
    with `time_limit > 0`: interval variables per action, dependencies with the link's latency, one
    action at a time per rank, a cumulative memory limit per rank, warm-started from the best order of
@@ -50,6 +50,7 @@ from ..schedules.orders import PlannedAction, check_order, normalize_order, orde
 from ..core.timeline import Timeline
 from .cost import Cost
 from .simulate import simulate_order
+from .zbheuristic import best_order
 
 OBJECTIVES = ("period", "makespan")
 
@@ -323,10 +324,11 @@ SEED_RULES = {"1F1B": "seed: 1F1B, I and W back to back",
               "DualPipeV": "seed: torch's DualPipeV"}
 
 
-def _seeds(pp_size: int, m: int, spr: int):
+def _seeds(pp_size: int, m: int, spr: int, cost: Cost, limit: float, weight_memory: float):
     if spr == 1:
         for kind in HANDCRAFTED:
             yield handcrafted(kind, pp_size, m), SEED_RULES[kind]
+        yield from filter(None, [best_order(pp_size, m, cost, limit, weight_memory)])
         return
     from .plans import planned_actions
 
@@ -369,11 +371,11 @@ def _key(r: SearchResult) -> tuple:
 
 def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: float,
            stages_per_rank: int = 1, *, weight_memory: float = 1.0, objective: str = "period",
-           time_limit: float = 0.0, workers: int = 1, progress: bool = False) -> SearchResult:
+           time_limit: float = 0.0, workers: int = 1, progress: bool = False, variants: bool = True) -> SearchResult:
     """The best order found for `pp_size` ranks (one stage each, or two in V placement) and
     `n_microbatches`, holding at most `memory_limit` (1F1B stage microbatches, `weight_memory` the share
     held from I until W) on any rank: the seeds that fit and every variant of the rule, ranked by the
-    objective ("period" or "makespan"), then, with `time_limit` > 0 seconds, the exact model
+    objective ("period" or "makespan"; variants=False: the seeds alone, for large P x M), then, with `time_limit` > 0 seconds, the exact model
     (`labkit.theory.exact`, needs OR-Tools) warm-started from that. Taught in notebook 13."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
@@ -382,10 +384,10 @@ def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: fl
     best: SearchResult | None = None
     seen: set = set()
     seeds_that_fit = []
-    variants = ((_list_schedule(pp_size, spr, m, cost, memory_limit, weight_memory, d, fi, extra),
+    rule_orders = ((_list_schedule(pp_size, spr, m, cost, memory_limit, weight_memory, d, fi, extra),
                  f"warm-up +{extra} F; defer at most {d} W; {'F' if fi else 'I'} first")
-                for extra, d, fi in _variants(pp_size, m, memory_limit, spr))
-    for order, rule in chain(_seeds(pp_size, m, spr), variants):
+                for extra, d, fi in (_variants(pp_size, m, memory_limit, spr) if variants else ()))
+    for order, rule in chain(_seeds(pp_size, m, spr, cost, memory_limit, weight_memory), rule_orders):
         key_order = tuple(tuple(acts) for acts in order.values()) if order is not None else None
         if order is None or key_order in seen:
             continue  # stuck, or an order a seed or another variant of the rule already gave
