@@ -12,7 +12,8 @@ its ILP):
    may defer, F before I, how many extra forwards in the warm-up) are all tried, beside handcrafted
    orders: the paper's ZB-H1 and ZB-H2 (its Figure 3), 1F1B with I and W back to back and the
    zero-bubble authors' own heuristic (`labkit.theory.zbheuristic`, W only into bubbles, the rest
-   last), or with two stages per rank torch's ZBVZeroBubble and DualPipeV; each kept if it fits.
+   last), or with two stages per rank torch's ZBVZeroBubble, DualPipeV and V-Half / V-Min
+   (`labkit.theory.vgreedy`); each kept if it fits.
 2. **An exact model** (`labkit.theory.exact`, OR-Tools CP-SAT, optional: `pip install labkit[search]`)
    with `time_limit > 0`: interval variables per action, dependencies with the link's latency, one
    action at a time per rank, a cumulative memory limit per rank, warm-started from the best order of
@@ -50,6 +51,7 @@ from ..schedules.orders import PlannedAction, check_order, normalize_order, orde
 from ..core.timeline import Timeline
 from .cost import Cost
 from .simulate import simulate_order
+from .vgreedy import v_orders
 from .zbheuristic import best_order
 
 OBJECTIVES = ("period", "makespan")
@@ -339,6 +341,7 @@ def _seeds(pp_size: int, m: int, spr: int, cost: Cost, limit: float, weight_memo
             continue
         if all(k in ("F", "I", "W") for acts in order.values() for k, _, _ in acts):
             yield order, SEED_RULES[kind]
+    yield from v_orders(pp_size, m)  # V-Half, V-Min (arXiv 2405.15362): 1/2 and 1/3 of 1F1B's memory as P grows
 
 
 def _variants(pp_size: int, m: int, limit: float, spr: int):
