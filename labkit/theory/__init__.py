@@ -2,7 +2,8 @@
 
 plans.py (the per-rank order torch plans), cost.py (the cost model, closed forms, fitting costs to a
 run), simulate.py (replaying an order: ideal timelines and deadlocks), search.py (an order searched
-under a memory limit, zero-bubble style), paper.py (the zero-bubble paper's tables, recomputed). Orders themselves, how they
+under a memory limit, zero-bubble style), paper.py (the zero-bubble paper's tables, recomputed), microbatches.py (a cost per action fitted from steps
+at several microbatch counts, and the ideal step it gives). Orders themselves, how they
 are written and checked, are `labkit.schedules.orders`. Taught in notebooks 03, 04-06, 08 and 13.
 
 May import: labkit.core, labkit.schedules.

@@ -31,7 +31,7 @@ from ..theory import closed_form_bubble
 from ..core.timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
-           "plot_pipelines", "plot_bubble_sweep", "plot_memory"]
+           "plot_pipelines", "plot_bubble_sweep", "plot_step_times", "plot_memory"]
 
 STAGE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
@@ -259,6 +259,33 @@ def plot_bubble_sweep(ax, ms: Sequence[int], measured: Sequence[float | None] | 
     ax.set_xlabel("microbatches (n_microbatches)")
     ax.set_ylabel("bubble: idle/(ranks x makespan)" if definition == "fraction" else "bubble: idle/busy")
     ax.set_xticks(ms)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    artists.append(ax.legend(fontsize="small"))
+    return artists
+
+
+def plot_step_times(ax, measured: dict[int, Sequence[float]], ideal: dict[int, float],
+                    batch_only: dict[int, float] | None = None, unit: str = "s") -> list:
+    """Step time against the number of microbatches: each m's measured steps (median, with a bar
+    from the fastest to the slowest), the ideal with the fitted per-action cost, and (`batch_only`)
+    the ideal without it. Returns the artists (notebook 05)."""
+    ms = sorted(measured)
+    artists: list = []
+    if batch_only:
+        artists.extend(ax.plot(sorted(batch_only), [batch_only[m] for m in sorted(batch_only)], color="#BBBBBB",
+                               linewidth=4, solid_capstyle="round", label="ideal, batch's share only"))
+    artists.extend(ax.plot(sorted(ideal), [ideal[m] for m in sorted(ideal)], marker="s", linestyle="--",
+                           color="#4C72B0", label="ideal + fitted cost per action"))
+    mid = [sorted(measured[m])[len(measured[m]) // 2] for m in ms]
+    low = [mid[i] - min(measured[m]) for i, m in enumerate(ms)]
+    high = [max(measured[m]) - mid[i] for i, m in enumerate(ms)]
+    artists.append(ax.errorbar(ms, mid, yerr=[low, high], marker="o", color="#C44E52", capsize=3,
+                               label="measured (median, min-max)"))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("microbatches m")
+    ax.set_ylabel(f"step time ({unit})")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     artists.append(ax.legend(fontsize="small"))
