@@ -60,6 +60,7 @@ RANGES = {r.name: r for r in (
     Range("ipykernel", None, "7.4", "the lab"),
     Range("latex2mathml", None, "3.81", "the handouts"),
     Range("pytest", None, "9.2", "the tests"),
+    Range("pytest-xdist", None, "3.8", "the tests' parallel workers (dev.py test)"),
     Range("nbval", None, "0.11", "the notebooks' tests"),
     Range("playwright", None, "1.65", "the browser tests"),
 )}

@@ -112,13 +112,37 @@ def ensure_browser() -> None:
         print(f"browser test: could not install playwright ({e}); tests/test_browser.py will be skipped", flush=True)
 
 
-def pytest(venv_dir: Path, paths, argv: list[str]) -> int:
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+def test_workers() -> int:
+    """How many pytest-xdist workers a leg uses: $PPLAB_TEST_WORKERS, else 2. Most of the suite waits
+    (on torchrun's start, a rendezvous, a kernel): two workers keep both cores of a laptop busy."""
+    raw = os.environ.get("PPLAB_TEST_WORKERS", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise SetupError("read PPLAB_TEST_WORKERS", f"set it to a whole number >= 1 (1: no parallel workers), got {raw!r}")
+    return int(raw)
+
+
+def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial: bool = False) -> list[str]:
+    """One pytest run of a leg. The parallel pass (workers > 1) keeps each file on one worker
+    (`--dist loadfile`: a notebook's cells share a kernel, a module's fixtures its jobs) and leaves
+    out the tests marked `serial`, which end or count every kit process on the machine; `serial`
+    selects only those, run alone after every other test of both legs."""
     cmd = [str(vpython(venv_dir)), "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--nbval-cell-timeout", "600",
-           "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"), *paths, "-q", "-ra", "--durations=15",
-           *argv]
+           "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"), *paths, "-q", "-ra", "--durations=15"]
+    if serial:
+        return [*cmd, "-m", "serial", *argv]
+    if workers > 1:
+        cmd += ["-n", str(workers), "--dist", "loadfile"]
+    return [*cmd, "-m", "not serial", *argv]
+
+
+def pytest_env() -> dict:
+    return dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+
+
+def pytest(venv_dir: Path, paths, argv: list[str], workers: int = 1, serial: bool = False) -> int:
+    cmd = pytest_command(venv_dir, paths, argv, workers, serial)
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    return subprocess.run(cmd, cwd=ROOT, env=pytest_env()).returncode
 
 
 OTHER_VENV = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
@@ -202,26 +226,86 @@ def test(argv: list[str]) -> int:
 
 
 def test_legs(argv: list[str], main_torch: str) -> int:
+    """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
+    the range) starts beside it as soon as its background set-up is done, its output kept in a log
+    file that is shown when it ends; then the `serial` tests, alone. Fails if any of them fails."""
     one_torch = "--one-torch" in argv
     argv = [a for a in argv if a != "--one-torch"]
-    other = None if one_torch else start_other_setup()
+    workers = test_workers()
+    other = None if one_torch else OtherLeg(argv)
     try:
-        main_rc = pytest(VENV, ("tests", "notebooks"), argv)
+        main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
+        other_rc = other.finish() if other is not None else 0
     except BaseException:
         if other is not None:
             other.kill()
         raise
+    print("\n== tests that end or count every kit process on the machine (marked serial), alone ==", flush=True)
+    serial_rc = pytest(VENV, ("tests",), argv, serial=True)
+    serial_rc = 0 if serial_rc == 5 else serial_rc  # none selected (e.g. by -k): nothing to run alone
     verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731
-    if other is None:
-        print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}", flush=True)
-        return main_rc
-    print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {OTHER_VENV.name} ==",
-          flush=True)
-    other_torch = finish_other_setup(other)
-    other_rc = pytest(OTHER_VENV, OTHER_END_TESTS, argv)
-    print(f"\nwhole suite on torch {main_torch}: {verdict(main_rc)}; "
-          f"{', '.join(OTHER_END_TESTS)} on torch {other_torch}: {verdict(other_rc)}", flush=True)
-    return main_rc or other_rc
+    said = f"\nwhole suite on torch {main_torch}: {verdict(main_rc or serial_rc)}"
+    if other is not None:
+        said += f"; {', '.join(OTHER_END_TESTS)} on torch {other.torch}: {verdict(other_rc)}"
+    print(said, flush=True)
+    return main_rc or serial_rc or other_rc
+
+
+OTHER_LEG_LOG = ROOT / "test-artifacts" / f"leg-torch{OTHER_END[0]}.{OTHER_END[1]}.log"
+
+
+class OtherLeg:
+    """The second leg: its set-up (background, low priority), then its tests, in a thread beside the
+    first leg. `finish()` waits for it, shows its whole output and returns pytest's exit code; a
+    failed set-up is raised there as the SetupError it is."""
+
+    def __init__(self, argv: list[str]):
+        import threading
+        self.argv, self.torch, self.rc, self.error, self.proc = argv, "?", None, None, None
+        self.setup = start_other_setup()
+        self.killed = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.torch = finish_other_setup(self.setup)
+        except SetupError as e:
+            self.error = e
+            return
+        cmd = pytest_command(OTHER_VENV, OTHER_END_TESTS, self.argv, workers=1)
+        with open(OTHER_LEG_LOG, "w") as log:
+            log.write("+ " + " ".join(cmd) + "\n")
+            log.flush()
+            if self.killed:
+                return
+            print(f"(leg 2 started beside leg 1: torch {self.torch}, output in {OTHER_LEG_LOG.relative_to(ROOT)})",
+                  flush=True)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+            self.rc = self.proc.wait()
+
+    def finish(self) -> int:
+        if self.thread.is_alive():
+            print(f"\n(waiting for leg 2, torch {OTHER_END[0]}.{OTHER_END[1]}: {OTHER_LEG_LOG.relative_to(ROOT)})",
+                  flush=True)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {OTHER_VENV.name} ==",
+              flush=True)
+        print(OTHER_LEG_LOG.read_text(errors="replace"), end="", flush=True)
+        return self.rc if self.rc is not None else 1
+
+    def kill(self) -> None:
+        self.killed = True
+        self.setup.kill()
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def handouts(argv: list[str]) -> int:

@@ -189,6 +189,7 @@ def test_ranks_exit_by_themselves_when_the_kernel_is_killed(write, tmp_path, run
     print(f"kernel SIGKILL: {before} kit processes before, 0 after {took:.1f}s")
 
 
+@pytest.mark.serial  # `labkit clean --all` ends every kit process on the machine, other tests' included
 def test_clean_ends_orphans_and_nothing_else(tmp_path, runs):
     from labkit.core.processes import OWNER_VAR, RUN_DIR_VAR, owner_token
     from labkit.launching.clean import clean

@@ -22,6 +22,7 @@ import pytest
 
 from labkit.cli import main
 from labkit.core.errors import ConfigError
+from labkit.versions import SUPPORTED
 
 from conftest import labkit_cli
 
@@ -31,8 +32,8 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 SHAPES = ((2, 4), (4, 8))  # (ranks, microbatches)
 SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble"}
 VERSIONS = sorted(d.name for d in FIXTURES.iterdir() if d.is_dir())
-# the supported range is torch 2.11-2.15; 2.12 has no fixtures (a ~3 GB download on this machine)
-RANGE = ("2.11", "2.13", "2.14", "2.15")
+# every minor release of the supported range (labkit.versions.SUPPORTED: 2.11 to 2.15)
+RANGE = tuple(f"{SUPPORTED[0][0]}.{minor}" for minor in range(SUPPORTED[0][1], SUPPORTED[1][1] + 1))
 
 
 def log_file(d: Path) -> Path:
