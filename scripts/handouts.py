@@ -121,10 +121,10 @@ if __name__ == "__main__":
     root = Path(__file__).resolve().parent.parent
     names = [a for a in sys.argv[1:] if not a.startswith("--")]
     nbs = [root / "notebooks" / (n if n.endswith(".ipynb") else n + ".ipynb") for n in names] if names else \
-        sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+        sorted((root / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     missing = [nb.name for nb in nbs if not nb.exists()]
     if missing:
-        have = ", ".join(nb.stem for nb in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+        have = ", ".join(nb.stem for nb in sorted((root / "notebooks").glob("[0-9][0-9]*_*.ipynb")))
         sys.exit(f"handouts: no notebook {', '.join(missing)} in notebooks/. Name one of: {have} "
                  f"(with or without .ipynb), or none for all.")
     build(nbs, root / "handouts", execute="--execute" in sys.argv)

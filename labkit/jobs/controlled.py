@@ -7,7 +7,7 @@ Used to hold a measured timeline against the ideal one: with `mode="sleep"` the 
 compete for cores, so the schedule's shape survives on a 2-core laptop. Reads its
 `WorkloadConfig` from the run directory's config.json. The first step is checked against the
 unsplit model on the whole batch (timing off), like the reference job; rank 0 writes result.json
-(the same keys where they apply). Taught in notebook 06 (notebooks 04-05 step the same workload on live ranks).
+(the same keys where they apply). Taught in notebooks 06 and 06b (notebooks 04-05 step the same workload on live ranks).
 """
 
 from __future__ import annotations

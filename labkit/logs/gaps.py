@@ -16,7 +16,7 @@ one cause:
   fewer cores than ranks, waiting for a core.
 
 The causes are read from the logs, so they share the logs' limits (a line is written when the
-runtime gets to it; see notebook 06). `IdleReport.text()` says it in words; notebooks 05 and 06 use it.
+runtime gets to it; see notebook 06). `IdleReport.text()` says it in words; notebooks 05, 06 and 06b use it.
 """
 
 from __future__ import annotations

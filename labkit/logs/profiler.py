@@ -3,7 +3,7 @@ the host saw them.
 
 The kit's scripts name each stage's compute themselves when profiling (`labkit::<stage><kind><mb>`,
 see `labkit.worker.distributed.annotate_stages`). On a CPU those ranges are the compute itself, for every
-schedule (they agree with the kit's spans within 0.03: notebook 06, bench). On a GPU they are not:
+schedule (they agree with the kit's spans within 0.03: notebook 06b, bench). On a GPU they are not:
 an annotation is a host-side range (`cat: user_annotation`), and so are the operators that narrow
 torch's own annotations below (`cat: cpu_op`), so with asynchronous kernels they time the *launch*
 of an action's work, not the kernels (which the trace holds as separate device events, `cat: kernel`, on the GPU's
@@ -17,7 +17,7 @@ incoming activation or gradient, so an action's compute is taken as the span of 
 that run inside the annotation (first op start to last op end), with the communication ops
 (`gloo:*`, `nccl:*`, `c10d::*`, `record_param_comms`) left out. That is what makes the measured
 bubble comparable with the ideal one. This module owns reading those traces; action names are
-decoded as the logs' are (`labkit.logs.messages.decode_action`). Taught in notebook 06.
+decoded as the logs' are (`labkit.logs.messages.decode_action`). Taught in notebook 06b.
 """
 
 from __future__ import annotations

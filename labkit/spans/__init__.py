@@ -8,7 +8,7 @@
 
 The timeline the kit draws by default (`labkit timeline`, `%%ranks --timeline`, `pool.timeline()`,
 the explorer, `labkit.run`) comes from spans where they exist: see `labkit.timeline.compare.load_timeline`.
-Taught in notebook 06.
+Taught in notebook 06b.
 
 May import: labkit.core, labkit.logs (idle causes).
 """

@@ -17,7 +17,7 @@ here from measurements:
   (the schedule's Python, the loss on the last stage, bookkeeping, and on a machine with fewer cores
   than ranks, waiting for a core).
 
-The causes add up to the spans' idle time exactly (the bubble). Taught in notebook 06.
+The causes add up to the spans' idle time exactly (the bubble). Taught in notebook 06b.
 """
 
 from __future__ import annotations

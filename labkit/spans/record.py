@@ -37,7 +37,7 @@ kit's seconds in it. `labkit.spans.read` gives them per rank as `instrument_over
 
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
-directly. Read back by `labkit.spans.read`. Taught in notebook 06.
+directly. Read back by `labkit.spans.read`. Taught in notebook 06b.
 """
 
 from __future__ import annotations

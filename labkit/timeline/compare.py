@@ -1,6 +1,6 @@
 """A measured run beside its ideal: load a run's timeline, find its shape, fit costs, simulate.
 
-`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06
+`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06b
 use: the measured timeline (spans where the run has them, else the PP logs or profiler traces), and the ideal timeline of
 the same schedule with costs fitted from the measurement, stage by stage (the ideal of THIS step), with both
 bubble numbers and the ideal with one cost per kind beside it.
@@ -39,7 +39,7 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
     Log timelines have their waits taken out unless `trim=False` (the raw reading folds every wait
     into the next action and hides the bubble): `waits="trim"` of `labkit.logs.intervals`. On the
     controlled workload (actions of known length) they agree with the profiler within 0.03; on real
-    models trimming can err either way (notebook 06), which is why spans are the default.
+    models trimming can err either way (notebooks 06 and 06b), which is why spans are the default.
     """
     from ..logs.intervals import timeline_from_path
     from ..logs.sniff import EXPECTED

@@ -1,7 +1,7 @@
 """Exporting a timeline as one Chrome / Perfetto trace (open it at ui.perfetto.dev or chrome://tracing).
 
 One process (pid) per rank, one thread (tid) per stage, one complete event ("X") per action,
-named like torch's actions (`2F1` = stage 2, forward, microbatch 1). Taught in notebook 06.
+named like torch's actions (`2F1` = stage 2, forward, microbatch 1). Taught in notebook 06b.
 """
 
 from __future__ import annotations

@@ -17,11 +17,3 @@ def exercise_2(fixtures):
     events = parse_files(log_files(fixtures / "GPipe-p2-m4"))
     return sum(1 for e in events if e.rank == 1 and e.mark == "end" and e.kind == "F")
 
-
-def longest_wait(report):
-    """A spans report lists every gap of every rank with its seconds per cause (`report.gap_list`);
-    the gap with the most "waiting for a neighbour" ends with the action that waited for its input:
-    on rank 0 a backward (waiting for rank 1's gradient), on rank 1 a forward (rank 0's activation)."""
-    rank, gap = max(((r, g) for r, gaps in report.gap_list.items() for g in gaps),
-                    key=lambda rg: rg[1]["waiting for a neighbour"])
-    return rank, gap["before"]
