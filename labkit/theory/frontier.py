@@ -1,0 +1,75 @@
+"""The memory frontier: one step's time against the activation memory a schedule holds.
+
+For P ranks, M microbatches and per-rank costs F, I, W (a whole rank's share of the model; a schedule
+with two stages per rank costs half of each per stage), `frontier` gives
+
+- the kit's searched orders at a range of memory limits, one stage per rank and in torch's V
+  placement (`labkit.theory.search`, objective one step's makespan), and
+- torch's built-in schedules (1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble,
+  DualPipeV) as single points, simulated at the same costs,
+
+each with its peak (the most activation memory any rank holds, in 1F1B stage microbatches: 1F1B holds
+P) and its makespan. `per_action` adds a fixed cost to every action (the runtime's Python, posting
+sends and receives): orders that split each backward into I and W, or cut the model into twice as
+many stages, run more actions and pay it more often. DualPipeV mixes fused and split backwards; its
+fused B is charged twice (`Cost` keeps B = I + W). Drawn by `labkit.timeline.frontier.plot_frontier`;
+taught in notebook 13.
+"""
+
+from __future__ import annotations
+
+from ..core.errors import ConfigError
+from .cost import Cost
+from .search import search
+from .simulate import simulate, theory_json
+
+BUILT_INS = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
+             ("DualPipeV", 2))
+"""torch's schedules on the frontier, with their stages per rank."""
+
+
+def stage_cost(f: float, i: float, w: float, stages_per_rank: int, per_action: float = 0.0) -> Cost:
+    """One stage's costs when a rank's share (f, i, w) is cut into `stages_per_rank` stages, each action
+    + `per_action`."""
+    k = stages_per_rank
+    return Cost(F=f / k + per_action, I=i / k + per_action, W=w / k + per_action)
+
+
+def frontier(pp_size: int, n_microbatches: int, f: float = 1.0, i: float = 1.0, w: float = 1.0, *,
+             per_action: float = 0.0, limits=None, v_limits=None) -> dict:
+    """Searched points (one per memory limit that admits an order) and built-in points, each a dict of
+    name, stages_per_rank, memory_limit (searched only), peak and makespan; plus `busy`, M(f + i + w),
+    the step without idle time or per-action cost."""
+    if per_action < 0:
+        raise ConfigError(f"per_action is a cost added to every action, >= 0; got {per_action}.")
+    p, m = pp_size, n_microbatches
+    limits = limits or range(1, 2 * p + 1)
+    v_limits = v_limits or [k / 2 for k in range(2, 2 * p + 1)]  # beyond P the V seeds hold no more
+    out = {"pp_size": p, "n_microbatches": m, "per_action": per_action, "busy": m * (f + i + w),
+           "searched": [], "searched_v": [], "built_in": []}
+    for key, spr, ks in (("searched", 1, limits), ("searched_v", 2, v_limits)):
+        c = stage_cost(f, i, w, spr, per_action)
+        for k in ks:
+            try:
+                r = search(p, m, c, memory_limit=k, stages_per_rank=spr, objective="makespan")
+            except ConfigError:  # no order fits this little memory
+                continue
+            out[key].append({"name": f"searched K={k:g}", "stages_per_rank": spr, "memory_limit": k,
+                             "peak": max(r.peak.values()), "makespan": round(r.makespan, 9), "rule": r.rule})
+    for name, spr in BUILT_INS:
+        c = stage_cost(f, i, w, spr, per_action)
+        try:
+            tl = simulate(name, p, m, spr, c)
+        except Exception as e:  # noqa: BLE001 (a torch release that lacks the schedule, or refuses the sizes)
+            out["built_in"].append({"name": name, "stages_per_rank": spr, "error": str(e).splitlines()[0]})
+            continue
+        j = theory_json(tl)
+        out["built_in"].append({"name": name, "stages_per_rank": spr, "peak": max(j["peak"].values()),
+                                "makespan": round(j["makespan"], 9)})
+    return out
+
+
+def best_at(points: list[dict], peak: float) -> dict | None:
+    """The fastest point holding at most `peak`."""
+    fit = [q for q in points if "makespan" in q and q["peak"] <= peak + 1e-9]
+    return min(fit, key=lambda q: (q["makespan"], q["peak"])) if fit else None
