@@ -620,3 +620,19 @@ def test_runtime_waits_are_counted_never_compute(d):
         assert seen[f"WAIT_{kind}"] == seen[kind] > 0, (kind, seen)
         assert tl.meta["other_actions"].get(f"WAIT_{kind}") == seen[kind]
     assert not [a for a in tl.actions if "WAIT" in a.kind]
+
+
+def test_a_record_that_starts_mid_line_in_a_merged_stream_is_read():
+    """One stream merging several writers (2>&1): a progress line written without its newline yet and
+    another rank's record share a line (seen in torch 2.12.1's default_ZBVZeroBubble-p4-m8 capture)."""
+    rec = ("[rank1]:V1125 20:22:25.210000 17703 torch/distributed/pipelining/schedules.py:2367] "
+           "_PipelineScheduleRuntime running time_step 112, action 6W7\n")
+    kit = "1764102145.210000 D torch.distributed.pipelining.schedules schedules.py:2367] " \
+          "_PipelineScheduleRuntime running time_step 3, action 0F1\n"
+    alone, = logs.parse_lines([rec], year=2026)
+    merged, = logs.parse_lines(["[labkit] progress 1/1 step" + rec], year=2026)
+    assert (merged.rank, merged.time_step, merged.action, merged.time) == (1, 112, alone.action, alone.time)
+    assert alone.action == "6W7"
+    kit_merged, = logs.parse_lines(["50% done " + kit], rank=0)
+    assert (kit_merged.time, kit_merged.action, kit_merged.time_step) == (1764102145.21, "0F1", 3)
+    assert logs.parse_lines(["[labkit] progress 1/1 step\n"]) == []

@@ -61,6 +61,11 @@ _TRACE_RE = re.compile(r"\[\d+/\d+[^\]\s]*\] ?(?:\[__\w+\] ?)?|\[__\w+\] ?")
 _RECORD_START_RE = re.compile(r"(?:\[[\w:.-]{1,40}\]:? ?)*(?:\d{9,11}\.\d|[VDIWEC]\d{4} |\d{4}-\d\d-\d\d|"
                               r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ])")
 _KIT_NAME = "torch.distributed.pipelining"
+# A record that starts in the middle of a line: in one stream that merges several writers (2>&1,
+# `torchrun ... | tee`), a write without its newline yet (a progress line, a print(end="")) and
+# another rank's record share a line: "[labkit] progress 1/1 step[rank1]:V1125 20:22:25.210000 ...".
+_EMBEDDED_RE = re.compile(r"(?:\[[\w:.-]{1,40}\]:)+[VDIWEC]\d{4} \d\d:\d\d:\d\d"
+                          r"|\d{9,11}\.\d+ [DIWEC] torch\.distributed\.pipelining")
 
 
 def _strip_trace(msg: str) -> str:
@@ -313,7 +318,8 @@ class _Parser:
                          src[src.rfind("/") + 1:], n), False
         m = _GENERIC_RE.match(line)
         if m is None:
-            return None, False
+            e = _EMBEDDED_RE.search(line, 1)
+            return self._slow(line[e.start():], n) if e is not None else (None, False)
         t, mid, _name, fname, lno, msg = m.groups()
         pid, lvl = None, "?"
         for tok in mid.split():
