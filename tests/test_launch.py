@@ -66,7 +66,7 @@ def test_failing_rank_is_named_with_its_log_tail(script, runs):
     assert "Rank 1 failed" in msg and "wrong shape" in msg
     assert "Command:" in msg and "torch.distributed.run" in msg
     assert e.value.run.failed_rank == 1 and e.value.run.status == "failed"
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # by the failure, not the 900 s deadline (start-up: 5-30 s on a busy laptop)
 
 
 TEARDOWN_ABORT = textwrap.dedent("""
@@ -136,11 +136,17 @@ def test_stop_event_ends_the_job_from_another_thread(script, runs):
     import threading
 
     stop = threading.Event()
-    lines = []
-    timer = threading.Timer(8.0, stop.set)
-    timer.start()
-    t0 = time.monotonic()
-    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False, stop_event=stop, echo=lines.append,
-               env={"HELLO_SLEEP": "60"})
-    assert r.status == "interrupted" and time.monotonic() - t0 < 25
-    assert any("hello from rank" in l for l in lines)
+    lines, asked = [], []
+
+    def echo(line):  # a Stop button pressed once the ranks run (however long a busy machine takes to start them)
+        lines.append(line)
+        if "hello from rank" in line and not asked:
+            asked.append(time.monotonic())
+            threading.Timer(1.0, stop.set).start()
+
+    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False, stop_event=stop, echo=echo,
+               env={"HELLO_SLEEP": "60"}, timeout=300)
+    ended = time.monotonic()
+    assert asked and any("hello from rank" in l for l in lines)
+    # ended by the stop (1 s after the first hello), long before the ranks' 60 s sleep or the deadline
+    assert r.status == "interrupted" and ended - asked[0] < 20, ended - asked[0]

@@ -55,6 +55,7 @@ CRASH = textwrap.dedent("""
         dist.init_process_group("gloo")
         if dist.get_rank() == 1:
             time.sleep(1)
+            print(f"raising at {time.time():.3f}", flush=True)
             raise RuntimeError("rank 1 lost its activations")
         dist.barrier()
 
@@ -119,34 +120,42 @@ def _wait_for_ranks(run_dir: Path, n: int, limit: float = 60) -> list[psutil.Pro
 def test_crash_is_reported_quickly_with_rank_and_tail(write, runs):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
-        launch(write(CRASH, "crash.py"), nproc=2, runs_root=runs, progress=False, stream="none")
-    took = time.monotonic() - t0
+        launch(write(CRASH, "crash.py"), nproc=2, runs_root=runs, progress=False, stream="none", timeout=300)
+    reported, took = time.time(), time.monotonic() - t0
     run = e.value.run
     assert run.failed_rank == 1 and "lost its activations" in str(e.value)
     assert "Command:" in str(e.value) and "stderr:" in str(e.value)  # the log tail
     record = json.loads((run.run_dir / "run.json").read_text())
     assert record["status"] == "failed" and record["failed_rank"] == 1 and "lost its activations" in record["error"]
     assert run.log(0) is not None and "lost its activations" in run.log(1)
-    # the crash happens ~1 s after start-up; reported well within 10 s of it (start-up ~5 s here)
-    assert took < 25, took
-    print(f"crash reported after {took:.1f}s (job start-up included)")
+    # Reported by the crash itself, not by a deadline (300 s here; rank 0 would wait in its barrier
+    # until then): timed from the moment rank 1 raised, so a slow start-up on a busy machine (torch's
+    # import alone takes 5 to 25 s there) does not count. About 1-3 s idle, under 10 s with every core busy.
+    raised = float(re.search(r"raising at (\d+\.\d+)", run.log(1, "stdout")).group(1))
+    assert run.status == "failed" and reported - raised < 30, (reported - raised, took)
+    print(f"crash reported {reported - raised:.1f}s after rank 1 raised ({took:.1f}s with the start-up)")
 
 
 # 2. a rank hangs -----------------------------------------------------------------------------
 
+# The deadline must leave the ranks time to reach the hang: with every core busy, importing torch
+# alone took over 12 s (the stacks then showed import frames, not wait_forever).
+HANG_DEADLINE = 40
+
+
 def test_hang_is_ended_at_the_deadline_with_every_stack(write, runs):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
-        launch(write(HANG, "hang.py"), nproc=2, runs_root=runs, progress=False, stream="none", timeout=12)
+        launch(write(HANG, "hang.py"), nproc=2, runs_root=runs, progress=False, stream="none", timeout=HANG_DEADLINE)
     took = time.monotonic() - t0
     run, msg = e.value.run, str(e.value)
-    assert run.status == "timeout" and "12 s deadline" in msg
+    assert run.status == "timeout" and f"{HANG_DEADLINE} s deadline" in msg
     assert re.search(r"rank 1: .*hang\.py:\d+ in wait_forever", msg), msg
     assert re.search(r"rank 0: .*hang\.py:\d+ in <module>", msg), msg
     stacks = (run.run_dir / "stacks.txt").read_text()
     assert "=== rank 0 ===" in stacks and "=== rank 1 ===" in stacks
-    assert took < 12 + 15, took
-    print(f"hang ended {took - 12:.1f}s after the deadline")
+    assert took < HANG_DEADLINE + 15, took
+    print(f"hang ended {took - HANG_DEADLINE:.1f}s after the deadline")
 
 
 # 3. interrupt (Jupyter's stop button, nbval's cell timeout) -----------------------------------
@@ -266,14 +275,15 @@ BAD_RUNS = [
 @pytest.mark.parametrize("args, fix", BAD_RUNS, ids=[" ".join(a) for a, _ in BAD_RUNS])
 def test_bad_run_input_is_rejected_before_torchrun(args, fix, tmp_path):
     out = tmp_path / "never"
-    before = {p.pid for p in kit_processes()}
     t0 = time.monotonic()
     p = subprocess.run(labkit_cli("run", *args, "--out", str(out)), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-1500:])
     assert fix in p.stderr, p.stderr
-    assert time.monotonic() - t0 < 15
+    # Refused before torchrun: no run directory, no process (below); in the time of the CLI's own
+    # start-up (seconds; 15-30 s when every core is busy), never a job's.
+    assert time.monotonic() - t0 < 45
     assert not out.exists(), "a run directory was created for a rejected run"
-    assert {p.pid for p in kit_processes()} <= before
+    assert kit_processes(tmp_path) == []  # this run's processes only: other tests' jobs run beside it
 
 
 def test_bad_launch_input(tmp_path):
