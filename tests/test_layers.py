@@ -118,7 +118,7 @@ def test_a_model_does_not_launch():
         assert not [m for m in kit_imports(f) if m.startswith(("labkit.launching", "labkit.ranks"))], f
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_420_lines():
     long = {module_name(f): n for f in every_module() if (n := len(f.read_text().splitlines())) > 420}
     assert not long, f"split these by what they own: {long}"
 

@@ -1,4 +1,5 @@
-"""A run's measurements read into timelines: torch's pipelining logs (messages, parse: lines -> events;
+"""A run's measurements read into timelines: torch's pipelining logs (messages, parse: lines -> events,
+files: a run's log files and their ranks;
 intervals: events -> Timeline, and how waits are taken out), where idle time went (gaps), and
 torch.profiler traces (profiler).
 
@@ -8,7 +9,8 @@ May import: labkit.core only.
 _HOMES = {"gaps": ("CAUSES", "IdleReport", "explain_idle"),
           "intervals": ("WAITS", "timeline_from_path", "to_timeline", "trim_waits"),
           "messages": ("END", "START", "Event", "decode_action", "decode_message"),
-          "parse": ("log_files", "parse_files", "parse_lines", "parse_run_dir", "rank_from_path"),
+          "files": ("log_files", "parse_files", "parse_run_dir", "rank_from_path"),
+          "parse": ("parse_lines",),
           "profiler": ("actions_from_trace", "profile_files", "timeline_from_profile")}
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 

@@ -26,7 +26,8 @@ from typing import Iterable
 
 from ..core.timeline import COMPUTE_KINDS, Action, Timeline
 from .messages import END, TIMELINE_KINDS, Event
-from .parse import gc_paused, log_files, parse_files
+from .files import log_files, parse_files
+from .parse import gc_paused
 
 __all__ = ["WAITS", "to_timeline", "timeline_from_path", "trim_waits"]
 

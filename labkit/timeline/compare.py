@@ -73,7 +73,7 @@ def load_timeline(paths, source: str = "auto", trim: bool = True) -> Timeline:
         if profile_files(single) or source == "profiler":
             return timeline_from_profile(single)
     if source == "auto" and in_dir:
-        from ..logs.parse import log_files
+        from ..logs.files import log_files
 
         if not log_files(single):
             raise FileNotFoundError(f"{single} holds no spans (spans/rank<N>.jsonl), no profiler traces "
