@@ -40,6 +40,6 @@ def test_plot_frontier_draws_on_the_given_ax(fronts):
     fig, ax = plt.subplots()
     artists = plot_frontier(ax, fronts[0.5], measured={"searched K=2": (2, 14.0)})
     texts = [t.get_text() for t in ax.texts]
-    assert artists and "ZBVZeroBubble" in texts and "searched K=2 (measured)" in texts
+    assert artists and any("ZBVZeroBubble" in t for t in texts) and "searched K=2 (measured)" in texts
     assert "peak activation memory" in ax.get_xlabel() and len(ax.lines) >= 3
     plt.close(fig)

@@ -21,18 +21,21 @@ def plot_frontier(ax, data: dict, *, measured: dict | None = None, title: str | 
         if pts:
             xs, ys = zip(*pts)
             artists += ax.step(xs, ys, where="post", color=color, marker="o", ms=4, label=label)
+    at: dict[tuple, list[str]] = {}  # schedules on the same point share one label
     for q in data["built_in"]:
         if "makespan" not in q:
             continue
+        at.setdefault((q["peak"], q["makespan"]), []).append(q["name"])
         artists.append(ax.scatter([q["peak"]], [q["makespan"]], marker=MARKERS.get(q["name"], "o"), s=60,
                                   color="tab:red", edgecolor="black", zorder=3, label=None if label_points else q["name"]))
-        if label_points:
-            artists.append(ax.annotate(q["name"], (q["peak"], q["makespan"]), textcoords="offset points",
-                                       xytext=(6, 4), fontsize=8))
+    if label_points:
+        for (x, y), names in at.items():
+            artists.append(ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8,
+                                       va="bottom"))
     for name, (peak, makespan) in (measured or {}).items():
         artists.append(ax.scatter([peak], [makespan], marker="x", s=70, color="black", zorder=4))
         artists.append(ax.annotate(f"{name} (measured)", (peak, makespan), textcoords="offset points",
-                                   xytext=(6, -10), fontsize=8))
+                                   xytext=(-6, 0), ha="right", va="center", fontsize=7))
     artists.append(ax.axhline(data["busy"], color="gray", ls=":", lw=1, label="no idle time, M(F+I+W)"))
     ax.set_xlabel("peak activation memory per rank (1F1B stage microbatches; 1F1B holds P)")
     ax.set_ylabel("one step's makespan (units)")
