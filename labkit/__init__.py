@@ -5,28 +5,29 @@
     run.result["reference_match"]
 """
 
-from .config.presets import PRESETS
-from .schedules.table import SCHEDULES
-from .core.errors import ConfigError
-from .config.run import RunConfig
-from .launching.launch import LaunchError, Run, launch, run
-from .notebook.explorer import explorer
-
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "LaunchError", "PRESETS", "Run", "RunConfig", "SCHEDULES", "explorer", "launch", "run"]
 
-__all__ += ["Ranks", "RanksError"]  # live ranks: labkit.Ranks(nproc=2), and %%ranks after %load_ext labkit
+# Every public name is imported when first used. `import labkit` runs in every process of a job:
+# the torchrun agent (torch loads the kit's rendezvous plugin, labkit.launching.rendezvous), every
+# rank (the spans' sitecustomize loads labkit.spans.record) and `labkit launch`; none of them needs
+# the launcher, the explorer or the live ranks, and importing them all cost ~0.25 s in each.
+_HOME = {"PRESETS": "config.presets", "SCHEDULES": "schedules.table", "ConfigError": "core.errors",
+         "RunConfig": "config.run", "LaunchError": "launching.launch", "Run": "launching.launch",
+         "launch": "launching.launch", "run": "launching.launch", "explorer": "notebook.explorer",
+         "Ranks": "ranks", "RanksError": "ranks"}  # live ranks: labkit.Ranks(nproc=2), %%ranks after %load_ext labkit
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name):
-    # Imported when first used: `import labkit` runs in every torchrun agent of this environment
-    # (torch loads the kit's rendezvous plugin, labkit.launching.rendezvous) and in `labkit launch`, which need
-    # neither the live ranks nor what they import.
-    if name in ("Ranks", "RanksError", "ranks"):
-        from importlib import import_module  # not `from . import ranks`: that asks this hook again
+    from importlib import import_module  # not `from . import x`: that asks this hook again
 
-        ranks = import_module(".ranks", __name__)
-        return ranks if name == "ranks" else getattr(ranks, name)
+    if name in _HOME:
+        return getattr(import_module(f".{_HOME[name]}", __name__), name)
+    try:  # a subpackage (labkit.notebook, labkit.theory, ...) used as an attribute after `import labkit`
+        return import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 

@@ -5,3 +5,7 @@ Each reads its config from the run directory's config.json ($LABKIT_RUN_DIR), wr
 May import: labkit.core, labkit.versions, labkit.schedules, labkit.config, labkit.worker, labkit.models, labkit.parallel,
 labkit.spans (recording). Never the launcher's side (labkit.launching) nor the notebook face.
 """
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.jobs.<module> after `import labkit`

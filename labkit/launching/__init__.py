@@ -7,3 +7,7 @@ sweep and controlled (many jobs; the controlled workload's job), slurm (batch sc
 May import: labkit.core, labkit.versions, labkit.logs (the log format), labkit.spans (paths), labkit.schedules,
 labkit.config, labkit.models (the controlled workload's config), labkit.timeline (a Run's timeline).
 """
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.launching.<module> after `import labkit`

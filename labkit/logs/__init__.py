@@ -22,9 +22,9 @@ def __getattr__(name):
 
     if name in _HOME:
         return getattr(import_module(f".{_HOME[name]}", __name__), name)
-    if name in _HOMES:  # a module of the package, used as labkit.logs.gaps after `import labkit`
-        return import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ..core.lazy import submodules
+
+    return submodules(__name__)(name)  # a module of the package, used as labkit.logs.gaps after `import labkit`
 
 __all__ = [
     "CAUSES", "END", "IdleReport", "START", "WAITS", "explain_idle", "Event", "actions_from_trace", "decode_action", "decode_message", "log_files",

@@ -14,3 +14,7 @@
 May import: labkit.core, labkit.schedules, labkit.config, labkit.worker (stages, memory). Never the launching side:
 a model does not launch (the controlled workload's runner is labkit.launching.controlled).
 """
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.models.<module> after `import labkit`

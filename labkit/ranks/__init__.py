@@ -11,3 +11,7 @@ labkit.launching (the torchrun launch of the pool).
 from .pool import Ranks, RanksError, current
 
 __all__ = ["Ranks", "RanksError", "current"]
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.ranks.<module> after `import labkit`

@@ -28,4 +28,6 @@ def __getattr__(name):  # the readers import labkit.core.timeline; keep `import 
         from . import idle
 
         return getattr(idle, name)
-    raise AttributeError(name)
+    from ..core.lazy import submodules
+
+    return submodules(__name__)(name)  # a module of the package: labkit.spans.read after `import labkit`

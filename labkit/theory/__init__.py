@@ -31,3 +31,7 @@ __all__ = [
     "search",
     "SearchResult",
 ]
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.theory.<module> after `import labkit`

@@ -3,3 +3,7 @@ drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The da
 `labkit.core.timeline`.
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
+
+from ..core.lazy import submodules as _submodules
+
+__getattr__ = _submodules(__name__)  # labkit.timeline.<module> after `import labkit`
