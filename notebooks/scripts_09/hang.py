@@ -1,10 +1,10 @@
 """Notebook 09, gotcha 4: a rank that hangs, and the deadline that ends the job.
 
-    labkit launch --nproc 2 --timeout 15 notebooks/scripts_09/hang.py
+    labkit launch --nproc 2 --timeout 60 notebooks/scripts_09/hang.py
 
 Rank 1 never reaches the pipeline: it is stuck in `load_next_batch` (think of a data loader that
 waits on a file that never comes). Rank 0 runs `schedule.step` and waits for rank 1 forever; the
-process group's own timeout is 60 s, longer than the launch deadline. When the deadline passes,
+process group's own timeout is 300 s, longer than the launch deadline. When the deadline passes,
 the kit makes every rank dump its Python stack (faulthandler, SIGABRT) into its stderr.log and
 stacks.txt, then stops the job, and says where each rank was.
 """
@@ -28,7 +28,7 @@ def load_next_batch() -> torch.Tensor:
 
 @record
 def main() -> None:
-    d = worker.init_distributed("cpu", timeout_s=60)
+    d = worker.init_distributed("cpu", timeout_s=300)
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     stage = PipelineStage(full[d.rank], d.rank, 2, d.device)
