@@ -23,11 +23,11 @@ def exercise_2():
 
 
 def exercise_3():
-    """GPipe, p=4 ranks, m=8 microbatches, F=50 ms and B=100 ms per stage.
+    """GPipe, p=4 ranks, m=8 microbatches, F=200 ms and B=400 ms per stage.
 
-    Each rank has m x (F + B) = 8 x 150 ms of work. Filling and draining the pipeline adds
+    Each rank has m x (F + B) = 8 x 600 ms of work. Filling and draining the pipeline adds
     (p - 1) x (F + B): the last rank waits p-1 forwards for its first input, rank 0 waits p-1
-    backwards for its first gradient. Ideal makespan = (m + p - 1) x (F + B) = 11 x 0.15 s = 1.65 s.
+    backwards for its first gradient. Ideal makespan = (m + p - 1) x (F + B) = 11 x 0.6 s = 6.6 s.
     """
-    p, m, f, b = 4, 8, 0.050, 0.100
+    p, m, f, b = 4, 8, 0.200, 0.400
     return (m + p - 1) * (f + b)
