@@ -22,7 +22,7 @@ def _pip_config(tmp_path: Path, constraint: str) -> dict[str, str]:
     cap.write_text(f"# a workshop image's pins\n{constraint}\n")
     conf = tmp_path / "pip.conf"
     conf.write_text(f"[global]\nconstraint = {cap}\n")
-    return {"PIP_CONFIG_FILE": str(conf)}
+    return {"PIP_CONFIG_FILE": str(conf), "PIP_CONSTRAINT": ""}  # a cap set in the environment would win
 
 
 def test_a_cap_below_the_lock_installs_the_newest_supported_torch_it_allows(tmp_path, monkeypatch, capsys):
@@ -211,7 +211,10 @@ def test_under_load_runs_one_busy_process_per_core_beside_the_tests_and_stops_th
     dev = _dev_module()
     seen = {}
 
-    def fake_pytest(venv_dir, paths, argv):
+    def fake_pytest(venv_dir, paths, argv, workers=1, serial=False):
+        if serial:  # the tests marked serial, alone, after the parallel pass
+            seen["serial"] = argv
+            return 5  # none selected: not a failure
         load = [psutil.Process(p.pid) for p in seen["load"].procs]
         deadline = time.monotonic() + 60  # a spinner just started may still be loading Python (S or D)
         while [p.status() for p in load] != [psutil.STATUS_RUNNING] * 2 and time.monotonic() < deadline:
@@ -234,6 +237,7 @@ def test_under_load_runs_one_busy_process_per_core_beside_the_tests_and_stops_th
     assert dev.main(["test", "--one-torch", "--under-load", "-x"]) == (0 if outcome == "passes" else 130)
     # they spin: running or runnable (R) once started, however busy the machine is
     assert seen["argv"] == ["-x"] and seen["state"] == [psutil.STATUS_RUNNING] * 2, seen
+    assert seen.get("serial") == (["-x"] if outcome == "passes" else None), seen
     assert all(p.poll() is not None for p in seen["load"].procs)  # stopped after the run
     out = capsys.readouterr().out
     assert "under load: 2 busy processes" in out and "busy processes were stopped" in out
