@@ -6,12 +6,22 @@ sweeps and searches show one).
 May import: nothing of labkit."""
 
 
-def __getattr__(name):  # labkit.core.<module> after `import labkit` (core imports nothing of the kit, lazy.py included)
-    from importlib import import_module
+from importlib import import_module
 
-    try:
-        return import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def submodules(package: str):
+    """A module `__getattr__` for `package` (every labkit subpackage uses one, so that `import labkit`
+    stays light in every process of a job): an unknown attribute is its submodule of that name, if any."""
+
+    def __getattr__(name: str):
+        try:
+            return import_module(f".{name}", package)
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = submodules(__name__)  # labkit.core.<module> after `import labkit`

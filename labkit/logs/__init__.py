@@ -22,7 +22,7 @@ def __getattr__(name):
 
     if name in _HOME:
         return getattr(import_module(f".{_HOME[name]}", __name__), name)
-    from ..core.lazy import submodules
+    from ..core import submodules
 
     return submodules(__name__)(name)  # a module of the package, used as labkit.logs.gaps after `import labkit`
 

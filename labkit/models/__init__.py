@@ -15,6 +15,6 @@ May import: labkit.core, labkit.schedules, labkit.config, labkit.worker (stages,
 a model does not launch (the controlled workload's runner is labkit.launching.controlled).
 """
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.models.<module> after `import labkit`

@@ -3,6 +3,6 @@ deterministic views (`helpers`), the nbval plugin.
 
 May import: everything below it (launching, ranks, timeline, theory, config, ...)."""
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.notebook.<module> after `import labkit`

@@ -5,6 +5,6 @@ Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`).
 May import: labkit.core, labkit.worker (process groups, collectives).
 """
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.parallel.<module> after `import labkit`

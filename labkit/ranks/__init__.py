@@ -12,6 +12,6 @@ from .pool import Ranks, RanksError, current
 
 __all__ = ["Ranks", "RanksError", "current"]
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.ranks.<module> after `import labkit`

@@ -3,6 +3,6 @@ actions (`orders`: torch's `0F1` grammar, checks, in-flight counts, CSV).
 
 May import: labkit.core, labkit.logs (the action grammar of torch's log lines)."""
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.schedules.<module> after `import labkit`

@@ -28,6 +28,6 @@ def __getattr__(name):  # the readers import labkit.core.timeline; keep `import 
         from . import idle
 
         return getattr(idle, name)
-    from ..core.lazy import submodules
+    from ..core import submodules
 
     return submodules(__name__)(name)  # a module of the package: labkit.spans.read after `import labkit`

@@ -32,6 +32,6 @@ __all__ = [
     "SearchResult",
 ]
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.theory.<module> after `import labkit`

@@ -4,6 +4,6 @@ drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The da
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.timeline.<module> after `import labkit`

@@ -4,6 +4,6 @@ stages (`stages`), the whole-batch reference check (`reference`), memory measure
 May import: labkit.core, labkit.versions, labkit.schedules, labkit.theory, labkit.config, labkit.spans
 (recording). Never the launcher's side (labkit.launching)."""
 
-from ..core.lazy import submodules as _submodules
+from ..core import submodules as _submodules
 
 __getattr__ = _submodules(__name__)  # labkit.worker.<module> after `import labkit`
