@@ -32,10 +32,16 @@ def plot_frontier(ax, data: dict, *, measured: dict | None = None, title: str | 
         for (x, y), names in at.items():
             artists.append(ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8,
                                        va="bottom"))
+    columns: dict[float, list[tuple[float, str]]] = {}  # measured steps at one peak: labels stacked 10 pt apart
     for name, (peak, makespan) in (measured or {}).items():
         artists.append(ax.scatter([peak], [makespan], marker="x", s=70, color="black", zorder=4))
-        artists.append(ax.annotate(f"{name} (measured)", (peak, makespan), textcoords="offset points",
-                                   xytext=(-6, 0), ha="right", va="center", fontsize=7))
+        columns.setdefault(peak, []).append((makespan, name))
+    for peak, points in columns.items():
+        points.sort()
+        for k, (makespan, name) in enumerate(points):
+            artists.append(ax.annotate(f"{name} (measured)", (peak, makespan), textcoords="offset points",
+                                       xytext=(-14, 10 * (k - (len(points) - 1) / 2)), ha="right", va="center",
+                                       fontsize=7, arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "gray"}))
     artists.append(ax.axhline(data["busy"], color="gray", ls=":", lw=1, label="no idle time, M(F+I+W)"))
     ax.set_xlabel("peak activation memory per rank (1F1B stage microbatches; 1F1B holds P)")
     ax.set_ylabel("one step's makespan (units)")
