@@ -13,7 +13,8 @@ its ILP):
    orders: the paper's ZB-H1 and ZB-H2 (its Figure 3), 1F1B with I and W back to back and the
    zero-bubble authors' own heuristic (`labkit.theory.zbheuristic`, W only into bubbles, the rest
    last), or with two stages per rank torch's ZBVZeroBubble, DualPipeV and V-Half / V-Min
-   (`labkit.theory.vgreedy`); each kept if it fits.
+   (`labkit.theory.vgreedy`); each kept if it fits. For the period, the best is then polished
+   (`labkit.theory.polish`: a forward or a W pulled into a wait; this took Table 5's ZB-2p below print).
 2. **An exact model** (`labkit.theory.exact`, OR-Tools CP-SAT, optional: `pip install labkit[search]`)
    with `time_limit > 0`: interval variables per action, dependencies with the link's latency, one
    action at a time per rank, a cumulative memory limit per rank, warm-started from the best order of
@@ -23,14 +24,14 @@ its ILP):
 Memory is counted as the paper counts it (its Section 3.1 and ILP): a microbatch's F holds its
 activations (1 unit per stage on one rank, 1/stages_per_rank with several stages per rank, so that the
 limit is always in "1F1B stage microbatches": 1F1B holds `pp_size` on rank 0); its I frees the part W
-does not need (1 - R), its W frees the rest (R). R is `weight_memory`: 1 (the default, the kit's
-historic count) holds everything until W; the paper's models hold R = M_W / M_B = 32h / (34h + 5as)
-(`labkit.theory.paper.weight_memory`).
+does not need (1 - R), its W frees the rest (R). R is `weight_memory`: 1 (the default) holds everything
+until W; the paper's models hold R = M_W / M_B = 32h / (34h + 5as) (`labkit.theory.paper.weight_memory`).
 
 Objectives: "period" (the default, the paper's: the longest rank's span, first start to last end, a
 step's time once steps overlap, what its bubble rate divides by; ties go to the shorter makespan) or
-"makespan" (one isolated step). Both lower bounds hold for any order: no idle time at all, M(F+I+W)
-per stage, and one microbatch's whole chain through the pipeline.
+"makespan" (one isolated step). Their lower bounds hold for any order: no idle time at all, M(F+I+W)
+per stage, one microbatch's whole chain through the pipeline, and for the period the memory bound
+of `labkit.theory.bounds` (where an order meets it, it is optimal: the paper's ZB-H1 at 1F1B's memory).
 
 What it guarantees: every dependency holds and no rank ever holds more than `memory_limit` (checked
 on the result); its objective is never worse than any seed's that fits, so at any costs its bubble
@@ -49,7 +50,9 @@ from itertools import chain, product
 from ..core.errors import ConfigError
 from ..schedules.orders import PlannedAction, check_order, normalize_order, order_csv
 from ..core.timeline import Timeline
+from .bounds import period_bound  # re-exported
 from .cost import Cost
+from .polish import polish
 from .simulate import simulate_order
 from .vgreedy import v_orders
 from .zbheuristic import best_order
@@ -141,11 +144,6 @@ def lower_bound(pp_size: int, n_microbatches: int, cost: Cost, stages_per_rank: 
     last_rank = (pp_size - 1) * (f + c) + busy
     one_chain = pp_size * stages_per_rank * (f + i) + w + 2 * _hops(pp_size, stages_per_rank) * c
     return max(last_rank, one_chain)
-
-
-def period_bound(pp_size: int, n_microbatches: int, cost: Cost, stages_per_rank: int = 1) -> float:
-    """No rank's span is shorter than its own work: M(F+I+W) per stage it holds."""
-    return stages_per_rank * n_microbatches * (cost.F + cost.input_grad + cost.weight_grad)
 
 
 def rank_spans(timeline: Timeline) -> dict[int, float]:
@@ -410,7 +408,10 @@ def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: fl
     if best is None:
         raise ConfigError(f"No order found for pp_size={pp_size}, n_microbatches={m}, memory_limit={memory_limit}: "
                           f"raise --memory-limit (1F1B holds {pp_size}).")
-    best.bound = (period_bound if objective == "period" else lower_bound)(pp_size, m, cost, spr)
+    best.bound = (period_bound(pp_size, m, cost, spr, memory_limit, weight_memory) if objective == "period"
+                  else lower_bound(pp_size, m, cost, spr))
+    if objective == "period" and best.value > best.bound * (1 + 1e-12):  # pull work into waits (polish.py)
+        best = polish(best, pp_size, m, cost, seconds=max(10.0, time_limit))
     if time_limit > 0:
         from .exact import improve
 
