@@ -5,6 +5,7 @@
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
     python3 scripts/dev.py test --under-load   # the same beside one busy process per core (a busy laptop)
+    python3 scripts/dev.py test --legs-in-turn # the torch 2.11 leg after the first, not beside it
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
@@ -113,9 +114,9 @@ def ensure_browser() -> None:
 
 
 def test_workers() -> int:
-    """How many pytest-xdist workers leg 1 uses: $PPLAB_TEST_WORKERS, else 1. With 2 (and leg 2 beside
-    leg 1) the suite takes about 40 minutes instead of about 45 on 2 cores, but a few notebook timing
-    checks (e.g. 11's stage balance) do not yet hold with that much load beside them."""
+    """How many pytest-xdist workers leg 1 uses: $PPLAB_TEST_WORKERS, else 1. Leg 2 runs beside leg 1
+    either way, so one worker already keeps 2 cores busy; more add load rather than speed there
+    (most of the suite's CPU time is torch imported by every rank, kernel and torchrun)."""
     raw = os.environ.get("PPLAB_TEST_WORKERS", "1")
     if not raw.isdigit() or int(raw) < 1:
         raise SetupError("read PPLAB_TEST_WORKERS", f"set it to a whole number >= 1 (1: no parallel workers), got {raw!r}")
@@ -230,13 +231,15 @@ def test_legs(argv: list[str], main_torch: str) -> int:
     """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
     the range) starts beside it as soon as its background set-up is done, its output kept in a log
     file that is shown when it ends; then the `serial` tests, alone. Fails if any of them fails."""
-    one_torch = "--one-torch" in argv
-    argv = [a for a in argv if a != "--one-torch"]
+    one_torch, in_turn = "--one-torch" in argv, "--legs-in-turn" in argv
+    argv = [a for a in argv if a not in ("--one-torch", "--legs-in-turn")]
     workers = test_workers()
     import threading
     leg1_done = threading.Event()
-    # with one worker, leg 2 waits for leg 1 (one leg's load at a time); with more, it runs beside it
-    other = None if one_torch else OtherLeg(argv, after=leg1_done if workers == 1 else None)
+    # leg 2 starts beside leg 1 as soon as its environment is built (`--legs-in-turn`: after leg 1).
+    # One leg alone leaves about 40% of 2 cores idle (its jobs wait on sleeping stages, deadlines and
+    # each other); the two together fill them, and no verdict may depend on an idle machine anyway.
+    other = None if one_torch else OtherLeg(argv, after=leg1_done if in_turn else None)
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
         leg1_done.set()
