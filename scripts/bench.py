@@ -91,7 +91,8 @@ def launch_overhead(n: int = 5, nproc: int = 2) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "short_job.py"
         script.write_text(SHORT_JOB)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # TMPDIR: plain torchrun (no --log-dir) leaves a torchelastic_* folder in the temp dir per run
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
         count = iter(range(10_000))
         outside: list[float] = []
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from labkit.timeline.compare import one_step, pipelines_vs_ideal, run_shape
+from labkit.timeline.compare import compute_steps, one_step, pipelines_vs_ideal, run_shape
 from labkit.spans.idle import IdleByPipeline, explain_idle_by_pipeline
 from labkit.spans.read import timeline_from_spans
 from labkit.theory import Cost, simulate
@@ -99,6 +99,19 @@ def test_one_step_keeps_the_steps_fsdp_actions_and_transfers():
     for step, base in ((last, shift), (first, 0.0)):
         assert sorted(a.kind for a in step.actions) == sorted(a.kind for a in one)
         assert min(a.start for a in step.actions) == pytest.approx(base - 0.1)
+
+
+def test_compute_steps_cuts_a_run_into_its_steps_and_one_slow_step_stays_in_its_own():
+    one = [a for a in simulate("1F1B", 2, 4, 1, Cost(F=1.0, B=2.0)).actions]
+    shift = max(a.end for a in one) + 1.0
+    slow = [a._replace(start=3 * a.start + 2 * shift, end=3 * a.end + 2 * shift) for a in one]  # step 3: 3x longer
+    steps = [one, [a._replace(start=a.start + shift, end=a.end + shift) for a in one], slow]
+    tl = Timeline([a for s in steps for a in s], "spans", {"schedule": "Schedule1F1B", "steps": 3})
+    got = compute_steps(tl)
+    assert [len(s.actions) for s in got] == [len(one)] * 3
+    assert [s.metrics()["makespan"] for s in got] == pytest.approx([simulate("1F1B", 2, 4, 1, Cost(F=1.0, B=2.0))
+                                                                    .metrics()["makespan"] * k for k in (1, 1, 3)])
+    assert compute_steps(Timeline(one, "spans", {"steps": 1}))[0].counts() == Timeline(one, "spans", {}).counts()
 
 
 def _write_spans(d, pipelines, schedule="Schedule1F1B"):

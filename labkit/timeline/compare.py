@@ -179,6 +179,20 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
                     {**tl.meta, "steps": 1, "step": f"{which} of {steps}"})
 
 
+def compute_steps(tl: Timeline) -> list[Timeline]:
+    """Each step's compute actions, in order, of a multi-step run (each rank's actions cut into
+    `steps` equal runs): per-step metrics, e.g. a median over steps that one disturbed step (a busy
+    machine) cannot move. A single-step timeline is one step."""
+    steps = int(tl.meta.get("steps") or 1)
+    per_rank = {r: sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start) for r in tl.ranks}
+    out = []
+    for i in range(steps):
+        acts = [a for mine in per_rank.values() for a in mine[i * (len(mine) // steps):(i + 1) * (len(mine) // steps)]]
+        out.append(Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), tl.source,
+                            {**tl.meta, "steps": 1, "step": f"{i + 1} of {steps}"}))
+    return out
+
+
 def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
     """The schedule's ideal with THIS step's costs: each stage's own mean F, B, I, W (`fit_stage_costs`),
     so uneven stages stay uneven in the ideal; `meta["cost_spread"]` says how far the stages differ."""
