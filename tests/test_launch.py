@@ -150,3 +150,20 @@ def test_stop_event_ends_the_job_from_another_thread(script, runs):
     assert asked and any("hello from rank" in l for l in lines)
     # ended by the stop (1 s after the first hello), long before the ranks' 60 s sleep or the deadline
     assert r.status == "interrupted" and ended - asked[0] < 20, ended - asked[0]
+
+
+@pytest.mark.parametrize("failed_rank, codes, result, mismatch", [
+    (0, {0: 3, 1: 3}, {"reference_match": False}, True),   # rank 0 seen first
+    (1, {0: 3, 1: 3}, {"reference_match": False}, True),   # rank 1 seen first (a busy machine): still the check
+    (1, {1: 3}, {"reference_match": False}, True),         # rank 0 not reported at all: only rank 1 failed, with 3
+    (1, {0: 3, 1: 1}, {"reference_match": False}, False),  # rank 1 crashed (exit 1): that is the story
+    (0, {0: 3}, {"reference_match": True}, False),         # the step matched: something else failed
+    (0, {0: 3}, None, False),                              # no result.json: not a check
+])
+def test_a_reference_mismatch_is_named_whichever_rank_torchrun_saw_first(tmp_path, failed_rank, codes, result,
+                                                                       mismatch):
+    from labkit.launching.launch import reference_mismatch
+    from labkit.launching.rundir import Run
+
+    r = Run(tmp_path, [], 2, status="failed", result=result, failed_rank=failed_rank, rank_exitcodes=codes)
+    assert reference_mismatch(r) is mismatch

@@ -38,6 +38,8 @@ from .rundir import LaunchError, Run, new_run_dir
 from .stream import STREAMS, Streamer
 from ..core.progress import Progress
 
+CHECK_FAILED = 3  # the reference job's exit code when its step does not match the unsplit model
+
 REFERENCE_JOB = "labkit.jobs.train"
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LaunchError", "PP_LOG_FORMAT", "REFERENCE_JOB", "Run", "launch", "run"]
@@ -228,8 +230,18 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                rdzv_id=rdzv_id, stop_event=stop_event, echo=echo, on_progress=on_progress)
     if check and not r.ok and r.status != "interrupted":
-        if r.result is not None and r.result.get("reference_match") is False and r.failed_rank in (0, None):
+        if reference_mismatch(r):
             raise LaunchError(error_message(r, f"The pipelined step does not match the unsplit model: "
                                                f"{r.result.get('failure')}"), r)
         raise LaunchError(error_message(r, r.error or "the job failed"), r)
     return r
+
+
+def reference_mismatch(r: Run) -> bool:
+    """Did the job fail because its step did not match the unsplit model (and nothing else)? Rank 0's
+    result.json says so, and rank 0 failed first, or every rank that failed exited with the job's
+    "check failed" code: which of them torchrun saw first is a matter of scheduling (on a busy
+    machine rank 1 often wins)."""
+    if r.result is None or r.result.get("reference_match") is not False:
+        return False
+    return r.failed_rank in (0, None) or bool(r.rank_exitcodes) and set(r.rank_exitcodes.values()) == {CHECK_FAILED}
