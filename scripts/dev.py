@@ -5,7 +5,7 @@
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
     python3 scripts/dev.py test --under-load   # the same beside one busy process per core (a busy laptop)
-    python3 scripts/dev.py test --legs-in-turn # the torch 2.11 leg after the first, not beside it
+    python3 scripts/dev.py test --legs-beside  # the torch 2.11 leg beside the first, not after it
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
@@ -114,9 +114,9 @@ def ensure_browser() -> None:
 
 
 def test_workers() -> int:
-    """How many pytest-xdist workers leg 1 uses: $PPLAB_TEST_WORKERS, else 1. Leg 2 runs beside leg 1
-    either way, so one worker already keeps 2 cores busy; more add load rather than speed there
-    (most of the suite's CPU time is torch imported by every rank, kernel and torchrun)."""
+    """How many pytest-xdist workers leg 1 uses: $PPLAB_TEST_WORKERS, else 1. More add load rather
+    than speed on 2 cores (most of the suite's CPU time is torch imported by every rank, kernel and
+    torchrun agent); with more than one, leg 2 runs beside leg 1."""
     raw = os.environ.get("PPLAB_TEST_WORKERS", "1")
     if not raw.isdigit() or int(raw) < 1:
         raise SetupError("read PPLAB_TEST_WORKERS", f"set it to a whole number >= 1 (1: no parallel workers), got {raw!r}")
@@ -229,17 +229,19 @@ def test(argv: list[str]) -> int:
 
 def test_legs(argv: list[str], main_torch: str) -> int:
     """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
-    the range) starts beside it as soon as its background set-up is done, its output kept in a log
-    file that is shown when it ends; then the `serial` tests, alone. Fails if any of them fails."""
-    one_torch, in_turn = "--one-torch" in argv, "--legs-in-turn" in argv
-    argv = [a for a in argv if a not in ("--one-torch", "--legs-in-turn")]
+    the range) after it (beside it with `--legs-beside` or more than one worker, as soon as its
+    background set-up is done), its output kept in a log file that is shown when it ends; then the
+    `serial` tests, alone. Fails if any of them fails."""
+    one_torch, beside = "--one-torch" in argv, "--legs-beside" in argv
+    argv = [a for a in argv if a not in ("--one-torch", "--legs-beside")]
     workers = test_workers()
     import threading
     leg1_done = threading.Event()
-    # leg 2 starts beside leg 1 as soon as its environment is built (`--legs-in-turn`: after leg 1).
-    # One leg alone leaves about 40% of 2 cores idle (its jobs wait on sleeping stages, deadlines and
-    # each other); the two together fill them, and no verdict may depend on an idle machine anyway.
-    other = None if one_torch else OtherLeg(argv, after=leg1_done if in_turn else None)
+    # leg 2 starts after leg 1 (the CI default: one leg's load at a time); `--legs-beside` starts it as
+    # soon as its environment is built. One leg alone leaves about 40% of 2 cores idle (its jobs wait
+    # on sleeping stages, deadlines and each other), but the suite is bound by CPU: a fresh-clone run
+    # with the legs beside took 50 min against 54 min in turn (CI, stop 35).
+    other = None if one_torch else OtherLeg(argv, after=None if beside or workers > 1 else leg1_done)
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
         leg1_done.set()
