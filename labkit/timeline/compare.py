@@ -160,8 +160,7 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
     if steps <= 1:
         return tl
     keep: list[Action] = []
-    for r in tl.ranks:
-        mine = sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start)
+    for r, mine in _compute_by_rank(tl).items():
         n = len(mine) // steps
         if not n:
             continue
@@ -184,13 +183,18 @@ def compute_steps(tl: Timeline) -> list[Timeline]:
     `steps` equal runs): per-step metrics, e.g. a median over steps that one disturbed step (a busy
     machine) cannot move. A single-step timeline is one step."""
     steps = int(tl.meta.get("steps") or 1)
-    per_rank = {r: sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start) for r in tl.ranks}
+    per_rank = _compute_by_rank(tl)
     out = []
     for i in range(steps):
         acts = [a for mine in per_rank.values() for a in mine[i * (len(mine) // steps):(i + 1) * (len(mine) // steps)]]
         out.append(Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), tl.source,
                             {**tl.meta, "steps": 1, "step": f"{i + 1} of {steps}"}))
     return out
+
+
+def _compute_by_rank(tl: Timeline) -> dict[int, list[Action]]:
+    """{rank: its compute actions in time order}: what `one_step` and `compute_steps` cut into steps."""
+    return {r: sorted((a for a in tl.compute() if a.rank == r), key=lambda a: a.start) for r in tl.ranks}
 
 
 def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
