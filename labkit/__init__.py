@@ -17,6 +17,14 @@ _HOME = {"PRESETS": "config.presets", "SCHEDULES": "schedules.table", "ConfigErr
          "Ranks": "ranks", "RanksError": "ranks"}  # live ranks: labkit.Ranks(nproc=2), %%ranks after %load_ext labkit
 __all__ = sorted(_HOME)
 
+# torch's heavy imports with Python's cyclic collector paused, in whatever process imports the kit
+# before torch (a notebook's kernel, the `labkit` command): about a second less of CPU per process
+# (labkit.core.startup; LABKIT_GC_PAUSE=0 turns it off). The launcher's processes get it from the
+# ranks' sitecustomize.
+from .core.startup import pause_heavy_imports as _pause  # noqa: E402
+
+_pause()
+
 
 def __getattr__(name):
     from importlib import import_module  # not `from . import x`: that asks this hook again

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,54 @@ def launch_overhead(n: int = 5, nproc: int = 2) -> dict:
         res["kit_outside_torchrun_s"] = statistics.median(outside)
         res["kit_outside_share"] = res["kit_outside_torchrun_s"] / res["b_median_s"]
         return res
+
+
+def _cpu(cmd: list[str], env: dict) -> float:
+    """CPU seconds (user + sys) of a command and every process under it that was waited for."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if p.returncode:
+        raise RuntimeError(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def startup_cost(n: int = 5, kinds=("agent", "rank_imports", "job")) -> dict:
+    """What pausing the collector during torch's imports saves (labkit.core.startup), in CPU seconds,
+    paused / not paused (LABKIT_GC_PAUSE=0), interleaved pair by pair: torchrun's agent start-up, a
+    rank's imports (torch's pipelining and the kit's job), and a whole 2-rank `labkit run` (the
+    command, the agent and both ranks). CPU time, not wall: the saving is work the machine no longer
+    does, which is what a suite of hundreds of processes on 2 cores waits for."""
+    from labkit.spans.paths import BOOT_DIR
+
+    boot = os.pathsep.join([str(BOOT_DIR), os.environ.get("PYTHONPATH", "")])
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        count = iter(range(10_000))
+        commands = {
+            "agent": lambda: [py, "-m", "torch.distributed.run", "--help"],
+            "rank_imports": lambda: [py, "-c", "import torch.distributed.pipelining, labkit.jobs.train, os; os._exit(0)"],
+            "job": lambda: [py, "-m", "labkit", "run", "--schedule", "1F1B", "--pp-size", "2", "--quiet", "--stream",
+                            "none", "--out", str(Path(tmp) / f"run{next(count)}")],
+        }
+        res = {}
+        for kind in kinds:
+            cmd = commands[kind]
+            env = lambda on: dict(os.environ, PYTHONPATH=boot, OMP_NUM_THREADS="1", TMPDIR=tmp,  # noqa: E731
+                                  LABKIT_GC_PAUSE="1" if on else "0")
+            res[kind] = _ratio(*_pairs(lambda: _cpu(cmd(), env(True)), lambda: _cpu(cmd(), env(False)), n))
+        return res
+
+
+def _startup_rows(st: dict | None) -> list[str]:
+    if not st:
+        return []
+    names = {"agent": "torchrun's agent start-up", "rank_imports": "a rank's imports (pipelining, the kit's job)",
+             "job": "a whole 2-rank `labkit run` (command, agent, ranks)"}
+    when = (f"; measured {st['date']}" if st.get("date") else "") + (f", torch {st['torch']}" if st.get("torch") else "")
+    return [f"| start-up CPU, collector paused / not ({names[k]}: {v['a_median_s']:.2f} s / {v['b_median_s']:.2f} s, "
+            f"median of {len(v['pair_ratios'])} pairs{when}) | {v['ratio']:.2f}x | < 1 (reported) | "
+            f"{'yes' if v['ratio'] < 1 else 'no'} |" for k, v in st.items() if k in names]
 
 
 def _on_off_pairs(step_times: list[float], on: list[bool], skip: int = 2) -> list[float]:
@@ -561,6 +610,8 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], so
     say("instruments on real models (spans, profiler, logs)")
     res["instrument_fidelity"] = instrument_fidelity()
+    say("start-up CPU with the collector paused during torch's imports, and without")
+    res["startup"] = {**startup_cost(n=1 if quick else 5), "torch": torch.__version__}
     say("fidelity")
     res["fidelity"] = fidelity(shapes=((2, 4),) if quick else ((2, 2), (2, 4), (2, 8), (4, 4), (4, 8)),
                                fwd_ms=20 if quick else 30, bwd_ms=40 if quick else 60)
@@ -652,6 +703,7 @@ def markdown(res: dict) -> str:
         f"| PP log capture overhead (step time, +pp to files / none) | {res['capture_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['capture_overhead_ratio'] <= 1.05 else 'no'} |",
         *_capture_detail_rows(res.get("capture_overhead") or {}),
         *_spans_rows(res.get("spans_overhead")),
+        *_startup_rows(res.get("startup")),
         f"| profiler overhead (step time, profiler / none) | {res['profiler_overhead_ratio']:.3f}x | (reported) | - |",
         f"| fidelity: worst abs(measured - ideal) bubble, {len(f)} shapes | {worst:.3f} | <= 0.05 | {'yes' if worst <= 0.05 else 'no'} |",
     ]
@@ -706,7 +758,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(BENCH_DIR))
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
-                                                      "instruments", "paper", "launch"],
+                                                      "instruments", "paper", "launch", "startup"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -720,6 +772,8 @@ def main(argv=None) -> int:
             lo = launch_overhead(n=a.pairs)
             res["launch_overhead_ratio"], res["launch_overhead"] = lo["ratio"], {
                 **lo, "date": stamp, "torch": _torch(), "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
+        if a.only == "startup":
+            res["startup"] = {**startup_cost(n=a.pairs), "date": stamp, "torch": _torch()}
         if "instruments" in a.only:
             res["instrument_fidelity"], res["instrument_fidelity_date"] = instrument_fidelity(), stamp
         if "spans" in a.only:

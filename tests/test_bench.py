@@ -131,6 +131,15 @@ def test_live_ranks_bench_measures_a_real_cell_and_a_real_job():
     assert "live ranks: fresh 2-rank job / a cell on 2 warm ranks" in row and "empty cell's round trip" in row
 
 
+def test_startup_bench_measures_cpu_with_the_collector_paused_and_not():
+    """Structure only (one pair, the agent: the cheapest kind); the ratio is the bench's to report."""
+    out = bench.startup_cost(n=1, kinds=("agent",))
+    assert set(out) == {"agent"} and out["agent"]["a_median_s"] > 0 and out["agent"]["b_median_s"] > 0
+    row = "\n".join(bench._startup_rows({**out, "date": "2026-11-26 00:00 UTC", "torch": "2.15.0"}))
+    assert "torchrun's agent start-up" in row and "median of 1 pairs; measured 2026-11-26 00:00 UTC, torch 2.15.0" in row
+    assert bench._startup_rows(None) == []
+
+
 def test_the_instruments_table_shows_each_reading_with_its_error_against_spans():
     rows = [{"model": "MLP 64-256-64", "schedule": "1F1B", "spans": 0.5, "profiler": 0.49, "logs raw": 0.1,
              "logs split": 0.3, "logs trimmed": 0.6}]
