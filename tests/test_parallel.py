@@ -138,7 +138,11 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.grads.values()))
     recorded = res["grad_norm_before_clip"]
     tol = res["tolerance"] if res["tp_size"] > 1 else 1e-5 * norm
-    assert len(recorded) == 1 and recorded[0] == pytest.approx(norm, abs=tol), (recorded, norm)
+    # which run and which side, spelled out: a report of this failure once read "2.547499 against 2.547261",
+    # and 2.547261 is the TP run's norm (`dualpipev tp clip`), not this run's
+    said = (f"{name}: the run recorded {recorded} (tp_size {res['tp_size']}, fsdp {res['fsdp']}, run dir "
+            f"{composed['__dirs__'][name]}); the unsplit model in this process gives {norm:.9f}, tolerance {tol:.2g}")
+    assert len(recorded) == 1 and recorded[0] == pytest.approx(norm, abs=tol), said
     assert norm > cfg.clip_grad_norm  # the clipping did act
     assert res["reference_match"] is True and res["clip_grad_norm"] == cfg.clip_grad_norm, res.get("failure")
 

@@ -5,7 +5,8 @@ Single-node jobs rendezvous on 127.0.0.1 on an OS-chosen port (`labkit.launching
 jobs use torchrun's static rendezvous, so `--node-rank` decides global ranks. The kit's own jobs
 run as modules of the installed package (`-m labkit.jobs.train`): nothing reads the repository's
 folders. PYTHONPATH gets one folder first, the kit's `labkit/spans/boot` (a sitecustomize that
-records spans when torch's pipelining is imported). Taught in notebook 00.
+records spans when torch's pipelining is imported, and imports torch with Python's cyclic collector
+paused: `labkit.core.startup`). Taught in notebook 00.
 """
 
 from __future__ import annotations
