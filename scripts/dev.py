@@ -4,7 +4,7 @@
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
-    python3 scripts/dev.py test --under-load   # the same beside one busy process per core (a busy laptop)
+    python3 scripts/dev.py test --under-load   # both set-ups, then the same beside one busy process per core
     python3 scripts/dev.py test --legs-beside  # the torch 2.11 leg beside the first, not after it
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
@@ -221,13 +221,16 @@ def test(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--under-load"]
     main_torch = setup()
     ensure_browser()
-    if under_load:  # the load starts after the set-up: installing is not what it tests
+    if under_load:  # the load starts after every set-up: installing is not what it tests
+        if "--one-torch" not in argv:  # the second leg's too, here and now: in the background, at the lowest
+            # priority, beside busy processes of normal priority it barely moved (12 minutes for 13 s of CPU)
+            setup(OTHER_VENV, OTHER_END, keep_torch=False)
         with BusyLoad(load_size()):
-            return test_legs(argv, main_torch)
+            return test_legs(argv, main_torch, other_ready=True)
     return test_legs(argv, main_torch)
 
 
-def test_legs(argv: list[str], main_torch: str) -> int:
+def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> int:
     """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
     the range) after it (beside it with `--legs-beside` or more than one worker, as soon as its
     background set-up is done), its output kept in a log file that is shown when it ends; then the
@@ -241,7 +244,7 @@ def test_legs(argv: list[str], main_torch: str) -> int:
     # soon as its environment is built. One leg alone leaves about 40% of 2 cores idle (its jobs wait
     # on sleeping stages, deadlines and each other), but the suite is bound by CPU: a fresh-clone run
     # with the legs beside took 50 min against 54 min in turn (CI, stop 35).
-    other = None if one_torch else OtherLeg(argv, after=None if beside or workers > 1 else leg1_done)
+    other = None if one_torch else OtherLeg(argv, after=None if beside or workers > 1 else leg1_done, ready=other_ready)
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
         leg1_done.set()
@@ -267,20 +270,22 @@ OTHER_LEG_LOG = ROOT / "test-artifacts" / f"leg-torch{OTHER_END[0]}.{OTHER_END[1
 class OtherLeg:
     """The second leg: its set-up (background, low priority), then its tests, in a thread beside the
     first leg. `finish()` waits for it, shows its whole output and returns pytest's exit code; a
-    failed set-up is raised there as the SetupError it is."""
+    failed set-up is raised there as the SetupError it is. `ready`: its environment is built already
+    (`test --under-load` builds it before the load starts): no background set-up."""
 
-    def __init__(self, argv: list[str], after=None):
+    def __init__(self, argv: list[str], after=None, ready: bool = False):
         import threading
         self.argv, self.torch, self.rc, self.error, self.proc = argv, "?", None, None, None
         self.after = after  # a threading.Event to wait for before the tests start (None: start at once)
-        self.setup = start_other_setup()
+        self.setup = None if ready else start_other_setup()
         self.killed = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.torch = finish_other_setup(self.setup)
+            self.torch = (envsetup.installed_torch(OTHER_VENV) or "?") if self.setup is None \
+                else finish_other_setup(self.setup)
         except SetupError as e:
             self.error = e
             return
@@ -314,7 +319,8 @@ class OtherLeg:
         self.killed = True
         if self.after is not None:
             self.after.set()
-        self.setup.kill()
+        if self.setup is not None:
+            self.setup.kill()
         if self.proc is not None:
             self.proc.terminate()
             try:

@@ -243,6 +243,41 @@ def test_under_load_runs_one_busy_process_per_core_beside_the_tests_and_stops_th
     assert "under load: 2 busy processes" in out and "busy processes were stopped" in out
 
 
+def test_under_load_builds_the_second_legs_environment_before_the_load(monkeypatch, capsys):
+    """With both legs, `--under-load` builds .venv-torch2.11 in the foreground before the busy processes
+    start, and the second leg starts no background set-up: at the lowest priority beside busy processes
+    it barely moved (a fresh-clone run: 12 minutes for 13 s of CPU)."""
+    dev = _dev_module()
+    events = []
+
+    class Load:
+        def __init__(self, n):
+            events.append("load starts")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append("load stops")
+
+    class Leg:
+        def __init__(self, argv, after=None, ready=False):
+            events.append(f"leg 2 ready={ready}")
+            self.torch = "2.11.0"
+
+        def finish(self):
+            return 0
+
+    monkeypatch.setattr(dev, "setup", lambda venv_dir=dev.VENV, *a, **k: events.append(f"set up {Path(venv_dir).name}") or "2.15.0")
+    monkeypatch.setattr(dev, "start_other_setup", lambda: pytest.fail("no background set-up under load"))
+    monkeypatch.setattr(dev, "BusyLoad", Load)
+    monkeypatch.setattr(dev, "OtherLeg", Leg)
+    monkeypatch.setattr(dev, "ensure_browser", lambda: None)
+    monkeypatch.setattr(dev, "pytest", lambda *a, serial=False, **k: 5 if serial else 0)
+    assert dev.main(["test", "--under-load"]) == 0
+    assert events == ["set up .venv", f"set up {dev.OTHER_VENV.name}", "load starts", "leg 2 ready=True", "load stops"], events
+
+
 def test_the_busy_processes_end_when_dev_py_is_killed(tmp_path):
     """A dev.py killed with SIGKILL (no cleanup runs) leaves no spinner behind: each one watches its
     parent, whose pid it is given (it may start after dev.py is already gone, as here)."""
