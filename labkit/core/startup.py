@@ -9,10 +9,11 @@ without, a rank's imports 4.9 s and 4.0 s, and notebook 04 under nbval 74 s and 
 one ends, what it made is frozen (`gc.freeze`: kept for the process's life, never walked again, which
 is how long these modules live anyway) and the collector resumes for the script's own work. The
 price: the few cycles of garbage those imports leave (about 10,000 objects, 8 MB of a rank's 680 MB
-with torch 2.15) are kept too. Every
-process the launcher starts calls it (the ranks' sitecustomize, `labkit.spans.boot`: torchrun's agent
-and every rank, a user's own script too), and so does `import labkit` before torch (a notebook's kernel, the `labkit` command). `LABKIT_GC_PAUSE=0` turns
-it off. Standard library only: it runs before anything is imported.
+with torch 2.15) are kept too. Every process the launcher starts calls it (the ranks' sitecustomize,
+`labkit.spans.boot`: torchrun's agent and every rank, a user's own script too), and so does
+`import labkit` before torch (a notebook's kernel, the `labkit` command). `LABKIT_GC_PAUSE=0` turns
+it off. Standard library only: it runs before anything is imported. Paired figures: `scripts/bench.py
+--only startup`.
 
 May import: nothing of labkit."""
 
