@@ -4,6 +4,7 @@
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11
+    python3 scripts/dev.py test --quick        # the inner loop: the tests that start no job, pool or kernel
     python3 scripts/dev.py test --under-load   # both set-ups, then the same beside one busy process per core
     python3 scripts/dev.py test --legs-beside  # the torch 2.11 leg beside the first, not after it
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
@@ -137,14 +138,71 @@ def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial:
     return [*cmd, "-m", "not serial", *argv]
 
 
-def pytest_env() -> dict:
-    return dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+ARTIFACTS = ROOT / "test-artifacts"  # logs of a test run (git-ignored)
+COUNT_DIR = ROOT / "scripts" / "torch_count"  # a sitecustomize that logs each process importing torch
+ROLES = ("rank", "agent", "kernel", "script", "pytest")
 
 
-def pytest(venv_dir: Path, paths, argv: list[str], workers: int = 1, serial: bool = False) -> int:
+def imports_log(leg: int) -> Path:
+    """Where leg `leg`'s processes that import torch are logged (scripts/torch_count)."""
+    return ARTIFACTS / f"torch-imports-leg{leg}.tsv"
+
+
+def pytest_env(leg: int = 1) -> dict:
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1", PPLAB_TORCH_IMPORTS=str(imports_log(leg)))
+    env["PYTHONPATH"] = os.pathsep.join([str(COUNT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def reset_imports_log(leg: int) -> None:
+    imports_log(leg).parent.mkdir(exist_ok=True)
+    imports_log(leg).write_text("")
+
+
+def count_imports(leg: int) -> str:
+    """One line: how many processes of leg `leg` imported torch, by role (scripts/torch_count)."""
+    try:
+        rows = [line.split("\t") for line in imports_log(leg).read_text(errors="replace").splitlines() if line]
+    except OSError:
+        return f"leg {leg}: no count ({imports_log(leg)} is missing)"
+    by = {r: sum(1 for row in rows if row[0] == r) for r in ROLES}
+    parts = ", ".join(f"{n} {r}{'s' if n != 1 else ''}" for r, n in by.items() if n)
+    return f"leg {leg}: {len(rows)} processes imported torch ({parts}); per test: {imports_log(leg)}"
+
+
+def pytest(venv_dir: Path, paths, argv: list[str], workers: int = 1, serial: bool = False, leg: int = 1) -> int:
     cmd = pytest_command(venv_dir, paths, argv, workers, serial)
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env=pytest_env()).returncode
+    return subprocess.run(cmd, cwd=ROOT, env=pytest_env(leg)).returncode
+
+
+QUICK_MARKS = "not launches and not serial"
+
+
+def quick(argv: list[str]) -> int:
+    """`dev.py test --quick`: the inner loop. Every test that starts no process importing torch (no
+    torchrun job, no live pool, no kernel, no script: theory, search, bounds, parsers, config,
+    layers, environment, plots) on .venv, in a few minutes; the rest is marked `launches` (or
+    `serial`) and left to the full run. The same count as the full run's proves the marks: a test
+    that started a torch-importing process here is named, and the run fails until it is marked."""
+    main_torch = setup()
+    reset_imports_log(1)
+    cmd = [str(vpython(VENV)), "-m", "pytest", "-p", "no:cacheprovider", "tests", "-q", "-ra", "--durations=10",
+           "-m", QUICK_MARKS, *argv]
+    print("+ " + " ".join(cmd), flush=True)
+    rc = subprocess.run(cmd, cwd=ROOT, env=pytest_env(1)).returncode
+    rows = [line.split("\t") for line in imports_log(1).read_text(errors="replace").splitlines() if line]
+    unmarked = sorted({row[2] for row in rows if row[0] != "pytest"})
+    print(f"\nquick tier on torch {main_torch}: tests/ without the tests marked launches or serial, and no notebook.",
+          flush=True)
+    print("left out: the tests marked `launches` (torchrun jobs, live pools, kernels, scripts that import torch),\n"
+          "  those marked `serial`, and every notebook under nbval; `python3 scripts/dev.py test` runs them all.",
+          flush=True)
+    if unmarked:
+        print("these tests started processes that import torch: mark them `launches` (pytest.mark.launches):\n  "
+              + "\n  ".join(t or "(outside any test)" for t in unmarked), flush=True)
+        return rc or 1
+    return rc
 
 
 OTHER_VENV = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
@@ -217,6 +275,8 @@ def test(argv: list[str]) -> int:
     every notebook) on the other end of the supported range, in .venv-torch2.11, whose set-up runs
     in the background during the first leg. Fails if either leg fails. `--under-load`: both legs run
     beside one busy process per core (BusyLoad), started after the set-up and stopped at the end."""
+    if "--quick" in argv:
+        return quick([a for a in argv if a != "--quick"])
     under_load = "--under-load" in argv
     argv = [a for a in argv if a != "--under-load"]
     main_torch = setup()
@@ -245,6 +305,7 @@ def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> in
     # on sleeping stages, deadlines and each other), but the suite is bound by CPU: a fresh-clone run
     # with the legs beside took 50 min against 54 min in turn (CI, stop 35).
     other = None if one_torch else OtherLeg(argv, after=None if beside or workers > 1 else leg1_done, ready=other_ready)
+    reset_imports_log(1)
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
         leg1_done.set()
@@ -261,6 +322,9 @@ def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> in
     if other is not None:
         said += f"; {', '.join(OTHER_END_TESTS)} on torch {other.torch}: {verdict(other_rc)}"
     print(said, flush=True)
+    print("processes that imported torch (ranks, torchrun agents, kernels, scripts, pytest itself):", flush=True)
+    for leg in (1,) if other is None else (1, 2):
+        print("  " + count_imports(leg), flush=True)
     return main_rc or serial_rc or other_rc
 
 
@@ -299,7 +363,8 @@ class OtherLeg:
                 return
             print(f"(leg 2 started: torch {self.torch}, output in {OTHER_LEG_LOG.relative_to(ROOT)})",
                   flush=True)
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
+            reset_imports_log(2)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=pytest_env(2), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
             self.rc = self.proc.wait()
 

@@ -45,24 +45,44 @@ def labkit_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "labkit", *args]
 
 
-def run_suite(root: Path, name: str, cfgs: dict, nproc: int) -> dict:
-    """Run the RunConfigs `cfgs` ({key: RunConfig}) one after the other in ONE torchrun job of the
-    reference job (`python -m labkit.jobs.train --suite`), each in its own run directory: real runs,
-    without paying a launch (~6 s of torchrun and imports on 2 cores) per config.
-    Returns {key: that run's result.json, or None} and the job's Run under "__job__"."""
-    import json
+_POOLS: dict = {}  # {nproc: labkit.Ranks}: the suite's warm ranks, shared by every module (closed at the end)
+POOL_BASE = {"__name__", "__builtins__", "rank", "world_size", "local_rank", "device", "dist", "torch"}
 
-    from labkit.launching.launch import REFERENCE_JOB, launch
 
-    items = [{"config": c.to_dict(), "out": str(root / name / str(i))} for i, c in enumerate(cfgs.values())]
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps(items))
-    job = launch(REFERENCE_JOB, ["--suite", str(spec)], nproc=nproc, module=True, out=root / name / "job",
-                 progress=False, stream="none", check=False)
-    out = {}
-    for key, it in zip(cfgs, items):
-        f = Path(it["out"]) / "result.json"
-        out[key] = json.loads(f.read_text()) if f.exists() else None
-    out["__job__"] = job
-    out["__dirs__"] = {key: Path(it["out"]) for key, it in zip(cfgs, items)}  # each run's directory
-    return out
+def live_ranks(nproc: int, root: Path | None = None):
+    """The suite's pool of `nproc` live CPU ranks (labkit.Ranks), started on first use and shared by
+    every test module: tests that check what a pipelined step computes run there, warm, instead of
+    paying a launch each (torchrun's agent and every rank importing torch: ~6 s of CPU apiece on 2
+    cores). A pool that was closed or restarted (a test of faults) is replaced. Modules leave its
+    namespace clean (`clean_namespace`)."""
+    import tempfile
+
+    import labkit
+
+    pool = _POOLS.get(nproc)
+    if pool is None or pool.closed:
+        runs_root = root or Path(tempfile.mkdtemp(prefix=f"pplab-pool{nproc}-"))
+        pool = _POOLS[nproc] = labkit.Ranks(nproc=nproc, device="cpu", runs_root=runs_root, live="print")
+    return pool
+
+
+def clean_namespace(pool) -> None:
+    """Every name a module's cells left on the pool's ranks deleted: the next module starts as a new pool."""
+    pool.exec(f"[globals().pop(k) for k in list(globals()) if k not in {sorted(POOL_BASE)!r}] and None")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def run_suite(root: Path, name: str, cfgs: dict, nproc: int, job_args: dict | None = None) -> dict:
+    """Run the RunConfigs `cfgs` ({key: RunConfig}) one after the other on the suite's warm pool of
+    `nproc` ranks (`live_ranks`), each as the reference job runs it (`labkit.ranks.suite.run_configs`)
+    in its own run directory under root/name: real runs, without paying a launch per config or per
+    module. `job_args`: {key: the job's flags for that config}. Returns {key: that run's result.json,
+    or None}, "__dirs__" ({key: its run directory}) and "__codes__" ({key: the job's exit code for it})."""
+    from labkit.ranks.suite import run_configs
+
+    return run_configs(live_ranks(nproc), cfgs, root / name, job_args=job_args)

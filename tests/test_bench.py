@@ -36,6 +36,7 @@ def test_parser_throughput_structure():
     assert 0 < out["4000"]["timeline_lines_per_s"] <= out["4000"]["lines_per_s"]
 
 
+@pytest.mark.launches
 def test_launch_overhead_runs_both_commands():
     out = bench.launch_overhead(n=1)
     assert out["ratio"] > 0 and len(out["pair_ratios"]) == 1
@@ -57,6 +58,7 @@ def test_notebook_suite_rows_compare_with_the_suite_before_live_ranks():
     assert "| 1.25x faster | >= 1.5x | no |" in bench.markdown(_minimal_results(notebook_suite_s=200.0))
 
 
+@pytest.mark.launches
 def test_fidelity_row_and_table():
     rows = bench.fidelity(shapes=((2, 2),), schedules=("GPipe",), fwd_ms=20, bwd_ms=40)
     assert rows[0]["ideal_bubble"] == round(1 / 3, 4) and 0 <= rows[0]["measured_bubble"] < 1
@@ -68,6 +70,7 @@ def test_fidelity_row_and_table():
     assert "| GPipe | 2 | 2 |" in md and "launch overhead" in md
 
 
+@pytest.mark.launches
 def test_tutorial_as_written_vs_kit_script():
     """Both programs run for real (tiny sizes, CPU) and give a step-time ratio; the table shows it."""
     out = bench.tutorial_vs_kit(sizes="tiny", steps=3, n=1)
@@ -90,6 +93,7 @@ def test_on_off_pairs_put_the_logging_step_on_top_whatever_the_order():
         bench._on_off_pairs(times, [True] * 8)
 
 
+@pytest.mark.launches
 def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
     """The in-job capture A/B is real: the rank logs hold the PP lines of the logging steps only
     (steps 0 and 3 of 4: 2 steps x 4 microbatches forwards per stage), and step times for all."""
@@ -112,6 +116,7 @@ def test_log_ab_switches_torchs_pipelining_logger_step_by_step(runs):
     assert "span recording overhead" in rows and "1.010x | <= 1.03x | yes" in rows
 
 
+@pytest.mark.launches
 def test_capture_overhead_within_jobs_and_its_table_rows():
     out = bench.capture_within_jobs(n=1, steps=6, preset="tiny")
     # 6 steps: pairs (2,3), (4,5) of the one measured job (the warm-up job is left out)
@@ -122,6 +127,7 @@ def test_capture_overhead_within_jobs_and_its_table_rows():
     assert "A/A control" in rows and "median of 2 step pairs" in rows and "1.100x" in rows
 
 
+@pytest.mark.launches
 def test_live_ranks_bench_measures_a_real_cell_and_a_real_job():
     """Both sides really run the step: each asserts its timeline holds 4 F and 4 B per stage."""
     out = bench.live_ranks(n=1, round_trips=3)
@@ -131,6 +137,7 @@ def test_live_ranks_bench_measures_a_real_cell_and_a_real_job():
     assert "live ranks: fresh 2-rank job / a cell on 2 warm ranks" in row and "empty cell's round trip" in row
 
 
+@pytest.mark.launches
 def test_startup_bench_measures_cpu_with_the_collector_paused_and_not():
     """Structure only (one pair, the agent: the cheapest kind); the ratio is the bench's to report."""
     out = bench.startup_cost(n=1, kinds=("agent",))

@@ -28,6 +28,8 @@ import pytest
 
 from conftest import REPO, kit_processes
 
+pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
+
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 RUN_TIMEOUT_MS = 180_000

@@ -368,6 +368,7 @@ def test_launcher_errors_end_in_the_status(monkeypatch):
 # One real job through the widget (what the browser test also does, without a browser)
 
 
+@pytest.mark.launches
 def test_real_run_through_the_widget(runs):
     ex = labkit.explorer(runs_root=runs, timeout=240, preset="tiny").explorer
     t0 = time.monotonic()

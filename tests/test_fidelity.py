@@ -16,6 +16,8 @@ from labkit.theory import closed_form_bubble
 from labkit.models.workload import WorkloadConfig
 from labkit.launching.controlled import run_controlled
 
+pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
+
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_measured_bubble_matches_theory_at_pp2(schedule, runs):

@@ -111,6 +111,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.launches
 def test_a_sleep_in_the_kits_wrapper_is_instrument_overhead_not_runtime_overhead(tmp_path):
     """A real GPipe step (one rank, 4 microbatches: 8 actions, 7 gaps between them) whose wrappers
     sleep 20 ms after each span's end: each gap holds one sleep, found as the kit's, not the runtime's."""

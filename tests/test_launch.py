@@ -48,16 +48,21 @@ def script(tmp_path):
     return make
 
 
-def test_user_script_runs_and_keeps_logs(script, runs):
-    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False, stream="none")
+@pytest.mark.launches
+def test_user_script_runs_keeps_logs_and_prefixes_its_lines(script, runs, capsys):
+    """One launch (torch imported by an agent and 2 ranks) checks both what it keeps and what it streams."""
+    r = launch(script(HELLO), nproc=2, runs_root=runs, progress=False)
     assert r.ok and r.returncode == 0
     for rank in (0, 1):
         assert f"hello from rank {rank} of 2" in r.log(rank, "stdout")
     cmd = json.loads((r.run_dir / "command.json").read_text())["argv"]
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert json.loads((r.run_dir / "run.json").read_text())["status"] == "ok"
+    out = capsys.readouterr().out  # streamed live, each line prefixed by its rank
+    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
 
 
+@pytest.mark.launches
 def test_failing_rank_is_named_with_its_log_tail(script, runs):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
@@ -77,6 +82,7 @@ TEARDOWN_ABORT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launches
 def test_an_abort_at_interpreter_exit_says_how_to_end_the_script(script, runs):
     with pytest.raises(LaunchError) as e:
         launch(script(TEARDOWN_ABORT), nproc=1, runs_root=runs, progress=False, stream="none")
@@ -84,40 +90,23 @@ def test_an_abort_at_interpreter_exit_says_how_to_end_the_script(script, runs):
     assert "Rank 0 failed" in msg and "exit_now(0)" in msg and "destroy_process_group" in msg, msg
 
 
-def test_cli_launch_returns_the_jobs_exit_code(script, runs):
+@pytest.mark.launches
+def test_cli_launch_streams_while_the_job_runs_and_returns_its_exit_code(script, runs):
+    """`labkit launch`: the first rank line reaches us seconds before the job ends (not only at the
+    end), and the command exits with the job's own exit code (7). One launch for both."""
     out = runs / "exit7"
-    p = subprocess.run(labkit_cli("launch", "--nproc", "2", "--out", str(out), "--quiet", str(script(HELLO))),
-                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "HELLO_EXIT": "7"})
-    assert p.returncode == 7, p.stderr[-2000:]
-    assert "hello from rank 0" in (next(out.glob("logs/*/attempt_0/0/stdout.log"))).read_text()
-
-
-def test_output_streams_while_the_job_runs(script, runs):
-    """The first rank line must reach us seconds before the job ends (not only at the end)."""
-    proc = subprocess.Popen(labkit_cli("launch", "--nproc", "2", "--out", str(runs / "live"), "--quiet",
-                                       str(script(HELLO))), stdout=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "HELLO_SLEEP": "4"})
+    proc = subprocess.Popen(labkit_cli("launch", "--nproc", "2", "--out", str(out), "--quiet", str(script(HELLO))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "HELLO_SLEEP": "4", "HELLO_EXIT": "7"})
     first = None
     for line in proc.stdout:
         if "hello from rank" in line and first is None:
             first = time.monotonic()
     proc.wait(timeout=120)
     end = time.monotonic()
-    assert proc.returncode == 0 and first is not None
-    assert end - first > 3.0, f"first output only {end - first:.1f}s before the end"
-
-
-def test_rank_prefixes_in_stream(script, runs, capsys):
-    launch(script(HELLO), nproc=2, runs_root=runs, progress=False)
-    out = capsys.readouterr().out
-    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
-
-
-def test_run_directories_are_never_overwritten(script, runs):
-    out = runs / "once"
-    launch(script(HELLO), nproc=1, out=out, progress=False, stream="none")
-    with pytest.raises(ConfigError, match="never overwritten"):
-        launch(script(HELLO), nproc=1, out=out, progress=False, stream="none")
+    assert proc.returncode == 7, proc.stderr.read()[-2000:]
+    assert first is not None and end - first > 3.0, f"first output only {end - first:.1f}s before the end"
+    assert "hello from rank 0" in (next(out.glob("logs/*/attempt_0/0/stdout.log"))).read_text()
 
 
 def test_missing_script_is_rejected_before_launch(runs):
@@ -126,12 +115,16 @@ def test_missing_script_is_rejected_before_launch(runs):
     assert list(runs.iterdir()) == []
 
 
-def test_each_launch_gets_its_own_directory(script, runs):
+@pytest.mark.launches
+def test_each_launch_gets_its_own_directory_and_none_is_overwritten(script, runs):
     a = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
     b = launch(script(HELLO), nproc=1, runs_root=runs, progress=False, stream="none")
     assert a.run_dir != b.run_dir and a.run_dir.parent == b.run_dir.parent == runs
+    with pytest.raises(ConfigError, match="never overwritten"):  # refused before anything starts
+        launch(script(HELLO), nproc=1, out=a.run_dir, progress=False, stream="none")
 
 
+@pytest.mark.launches
 def test_stop_event_ends_the_job_from_another_thread(script, runs):
     import threading
 
@@ -167,3 +160,14 @@ def test_a_reference_mismatch_is_named_whichever_rank_torchrun_saw_first(tmp_pat
 
     r = Run(tmp_path, [], 2, status="failed", result=result, failed_rank=failed_rank, rank_exitcodes=codes)
     assert reference_mismatch(r) is mismatch
+
+
+def test_a_sweep_shares_one_job_per_world_size_and_device():
+    """sweep() runs consecutive RunConfigs of one world size and device in one job (one start-up for all)."""
+    from labkit.config.run import RunConfig
+    from labkit.launching.sweep import _groups
+
+    a, b = (RunConfig(schedule="GPipe", preset="tiny", n_microbatches=m) for m in (2, 4))
+    four = RunConfig(schedule="1F1B", pp_size=4, preset="tiny", n_microbatches=4)
+    groups = _groups([a, b, four, a, "other"])
+    assert [len(g) for g in groups] == [2, 1, 1, 1] and groups[0] == [a, b] and groups[3] == ["other"]

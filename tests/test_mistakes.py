@@ -15,8 +15,10 @@ import time
 
 import pytest
 
-import labkit
+from conftest import clean_namespace, live_ranks
 from labkit.ranks import RanksError
+
+pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
 
 SETUP = """
 import torch.nn as nn
@@ -46,22 +48,23 @@ GOOD = "build(4); step(); check_step(full, [stage], x, y, losses, 4, mse).ok"
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    p = labkit.Ranks(nproc=2, device="cpu", runs_root=tmp_path_factory.mktemp("mistakes"))
+def pool():
+    """The suite's warm 2-rank pool (conftest.live_ranks), this module's names set up and cleaned after."""
+    p = live_ranks(2)
     p.exec(SETUP)
     yield p
-    p.close()
+    clean_namespace(p)
 
 
 def _mistake(pool, code: str, timeout: float = 60) -> tuple[str, float]:
     """Run a cell that must fail; its message and how long it took. The pool must not restart."""
-    pids = pool.pids()
+    pids, restarts = pool.pids(), pool.status()["restarts"]
     t = time.monotonic()
     with pytest.raises(RanksError) as e:
         pool.exec(code, timeout=timeout)
     took = time.monotonic() - t
     assert not e.value.restarted, str(e.value)
-    assert pool.pids() == pids and pool.status()["restarts"] == 0
+    assert pool.pids() == pids and pool.status()["restarts"] == restarts
     assert pool.exec("kept") == {0: 100, 1: 101}, "every namespace must survive"
     return str(e.value), took
 

@@ -138,7 +138,7 @@ def _case_config(model_type, split, schedule, spr):
 @pytest.fixture(scope="module")
 def model_runs(tmp_path_factory):
     """The CASES as real runs, one after the other in one job of the reference job (conftest.run_suite)."""
-    from conftest import kit_processes, run_suite
+    from conftest import run_suite
 
     root = tmp_path_factory.mktemp("models")
     configs = {c: _case_config(*c) for c in CASES}
@@ -149,13 +149,13 @@ def model_runs(tmp_path_factory):
     configs["gpt2 clip"] = RunConfig(model_name="gpt2", schedule="Interleaved1F1B", stages_per_rank=2, preset="tiny",
                                      n_microbatches=4, clip_grad_norm=0.05)
     yield run_suite(root, "models", configs, 2)
-    assert not kit_processes(root)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("model_type,split,schedule,spr", CASES)
 def test_pipelined_step_matches_the_unsplit_model(model_type, split, schedule, spr, model_runs):
     res = model_runs[(model_type, split, schedule, spr)]
-    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
+    assert res is not None and res["reference_match"] is True, (model_runs["__codes__"], res and res.get("failure"))
     assert res["model"] == model_type and len(res["losses"]) == 4
     assert res["max_abs_diff"] <= 1e-5
     assert res["compared_param_elements"] == res["model_param_elements"] > 0
@@ -170,30 +170,31 @@ ONE_RANK = [("bert", "InterleavedZeroBubble"), ("llama", "Interleaved1F1B")]
 def one_rank_runs(tmp_path_factory):
     """Traced models with two stages on ONE rank (pipe.build_stage): on torch 2.13 and 2.14 the traced
     stage posts a warm-up send to its own rank, which gloo cannot do (labkit.versions drops it)."""
-    from conftest import kit_processes, run_suite
+    from conftest import run_suite
 
     root = tmp_path_factory.mktemp("one_rank")
     configs = {c: RunConfig(model_name=c[0], split="tracer", schedule=c[1], pp_size=1, stages_per_rank=2,
                             preset="tiny", n_microbatches=4) for c in ONE_RANK}
     yield run_suite(root, "one_rank", configs, 1)
-    assert not kit_processes(root)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("model_type,schedule", ONE_RANK)
 def test_traced_stages_sharing_one_rank_match(model_type, schedule, one_rank_runs):
     res = one_rank_runs[(model_type, schedule)]
-    assert res is not None and res["reference_match"] is True, (one_rank_runs["__job__"].error,
+    assert res is not None and res["reference_match"] is True, (one_rank_runs["__codes__"],
                                                                  res and res.get("failure"))
     assert "build_stage" in res["stage_builder"] and res["max_abs_diff"] <= 1e-5
 
 
+@pytest.mark.launches
 def test_clipping_counts_a_tied_weight_once(model_runs):
     """GPT-2's tied embedding / lm_head on stages 0 and 3 (ranks 0 and 1): after the tied gradients are
     summed both copies hold the same gradient; the unsplit model has one parameter, and the pipeline's
     norm (before clipping) must be its norm. Clipping acted (norm > 0.05), and the clipped gradients
     match the unsplit model clipped by torch.nn.utils.clip_grad_norm_."""
     res = model_runs["gpt2 clip"]
-    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
+    assert res is not None and res["reference_match"] is True, (model_runs["__codes__"], res and res.get("failure"))
     assert "tied weights" in res["stage_builder"]
     (norm,) = res["grad_norm_before_clip"]
     assert norm > 0.05
@@ -201,9 +202,10 @@ def test_clipping_counts_a_tied_weight_once(model_runs):
 
 # ---- balancing (labkit.models.balance) ----
 
+@pytest.mark.launches
 def test_split_points_auto_balances_a_real_run_and_still_matches(model_runs):
     res = model_runs["auto"]
-    assert res is not None and res["reference_match"] is True, (model_runs["__job__"].error, res and res.get("failure"))
+    assert res is not None and res["reference_match"] is True, (model_runs["__codes__"], res and res.get("failure"))
     bounds, plan = res["layer_bounds"], res["balance"]
     assert bounds == plan["bounds"] and bounds[0] == 0 and len(bounds) == 3
     assert bounds[1] > bounds[2] // 2  # the heavy head's stage gets fewer blocks than an even cut

@@ -47,6 +47,7 @@ exit_now(0)  # as the kit's jobs end: torch's gloo + DTensor teardown can abort 
 """
 
 
+@pytest.mark.launches
 def test_tensor_parallel_gradients_are_exact_in_float64(runs, tmp_path):
     script = tmp_path / "tp64.py"
     script.write_text(textwrap.dedent(TP_FLOAT64))
@@ -83,17 +84,17 @@ COMPOSED = {  # 4 ranks each: real runs, one after the other in one job (conftes
 
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory):
-    from conftest import kit_processes, run_suite
+    from conftest import run_suite
 
     root = tmp_path_factory.mktemp("composed")
     yield run_suite(root, "composed", COMPOSED, 4)
-    assert not kit_processes(root)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
     res, world = composed[name], 4
-    assert res is not None, composed["__job__"].error
+    assert res is not None, composed["__codes__"]
     assert res["reference_match"] is True and res["world_size"] == world, res.get("failure")
     cfg = COMPOSED[name]
     assert (res["schedule"], res["n_stages"]) == (cfg.schedule, cfg.n_stages)
@@ -118,6 +119,7 @@ def test_composed_runs_equal_one_step_on_the_global_batch(name, composed):
 CLIPPED = [name for name, cfg in COMPOSED.items() if cfg.clip_grad_norm]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", CLIPPED)
 def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     """The norm each run recorded before clipping is the unsplit model's on the global batch (each
@@ -132,7 +134,7 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     from labkit.worker.reference import whole_batch_reference
 
     cfg, res = COMPOSED[name], composed[name]
-    assert res is not None, composed["__job__"].error
+    assert res is not None, composed["__codes__"]
     x, y = make_batch(cfg)
     ref = whole_batch_reference(build_model(cfg), x, y, res["checked_microbatches"], tokenwise_loss_fn)
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.grads.values()))
@@ -169,6 +171,7 @@ def three_d(tmp_path_factory):
     return r, out, ckpt
 
 
+@pytest.mark.launches
 def test_the_command_line_runs_all_three_dimensions(three_d):
     """One step of the unsplit model on the global batch, every gradient gathered from its shards."""
     r, out, _ = three_d
@@ -203,24 +206,26 @@ def test_tensor_parallel_default_tolerance_is_stated():
     assert RunConfig(schedule="1F1B", preset="tiny", dp_size=2, n_microbatches=2).tolerance == 1e-4
 
 
-def test_accumulation_with_torchs_default_scale_grads_is_wrong_and_the_fix_is_right(runs):
+@pytest.mark.launches
+def test_accumulation_with_torchs_default_scale_grads_is_wrong_and_the_fix_is_right(tmp_path):
     """torch's scale_grads divides every gradient held at the end of a step, including what earlier
     steps accumulated: G steps then / G is not one step on G batches (the pitfall); steps with
-    scale_grads=False and one 1/(m G) at the end are."""
-    from labkit.launching.launch import run
+    scale_grads=False and one 1/(m G) at the end are. Both run on the suite's warm 2-rank pool."""
+    from conftest import run_suite
 
     cfg = RunConfig(schedule="1F1B", pp_size=2, preset="tiny", n_microbatches=2, batch_size=8, accumulate=2,
                     device="cpu")
-    kw = dict(runs_root=runs, check=False, progress=False, stream="none")
-    wrong, right = run(cfg, job_args=["--accumulate-pitfall"], **kw), run(cfg, **kw)
-    assert wrong.result is not None and right.result is not None, (wrong.error, right.error)
-    assert right.result["reference_match"] is True and right.result["accumulate"] == 2
-    assert wrong.result["reference_match"] is False
-    assert wrong.result["max_abs_diff_losses"] < 1e-6 < wrong.result["max_abs_diff_grads"]  # same losses, wrong grads
-    assert "pitfall" in wrong.result["scale_grads"]
+    runs = run_suite(tmp_path, "accumulate", {"wrong": cfg, "right": cfg}, 2, job_args={"wrong": ["--accumulate-pitfall"]})
+    wrong, right = runs["wrong"], runs["right"]
+    assert wrong is not None and right is not None, runs["__codes__"]
+    assert right["reference_match"] is True and right["accumulate"] == 2
+    assert wrong["reference_match"] is False
+    assert wrong["max_abs_diff_losses"] < 1e-6 < wrong["max_abs_diff_grads"]  # same losses, wrong grads
+    assert "pitfall" in wrong["scale_grads"]
 
 
-def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches(runs, three_d):
+@pytest.mark.launches
+def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches(tmp_path, three_d):
     """Saved by 8 ranks (pp 2 x dp 2 x tp 2, FSDP2 over TP) after 2 updates; every parameter in it once;
     resumed by 2 ranks running Interleaved1F1B (4 stages, no FSDP, no TP) with clipping: that step
     equals the unsplit model loaded from the same checkpoint and clipped the same way."""
@@ -231,13 +236,13 @@ def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches
     assert save.returncode == 0, save.stdout[-3000:] + save.stderr[-3000:]
     cfg = RunConfig(schedule="1F1B", preset="tiny")
     assert saved_names(ckpt) == sorted(build_model(cfg).state_dict())  # every parameter, once
-    out = runs / "resume"
-    r = subprocess.run(labkit_cli("run", "--schedule", "Interleaved1F1B", "--nproc", "2", "--preset", "tiny",
-                                  "--microbatches", "4", "--batch-size", "16", "--device", "cpu", "--resume", str(ckpt),
-                                  "--clip-grad-norm", "0.05", "--quiet", "--out", str(out)),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads((out / "result.json").read_text())
+    from conftest import run_suite
+
+    resume = RunConfig(schedule="Interleaved1F1B", pp_size=2, preset="tiny", n_microbatches=4, batch_size=16,
+                       device="cpu", resume=str(ckpt), clip_grad_norm=0.05)
+    runs = run_suite(tmp_path, "resume", {"resume": resume}, 2)  # on the suite's warm 2-rank pool
+    res = runs["resume"]
+    assert res is not None and runs["__codes__"]["resume"] == 0, runs["__codes__"]
     assert res["reference_match"] is True and res["n_stages"] == 4
     assert res["grad_norm_before_clip"][0] > 0.05  # the clipping did act
     # the checkpoint holds the trained weights, not the seed's (so a load that did nothing would fail the check)
@@ -249,6 +254,7 @@ def test_a_checkpoint_saved_by_one_shape_resumes_in_another_and_clipping_matches
     assert any(not torch.equal(loaded[k], seeded[k]) for k in seeded)
 
 
+@pytest.mark.launches
 def test_a_composed_runs_timeline_and_idle_are_per_pipeline(composed, tmp_path, capsys):
     """(pp, dp) = (2, 2) under FSDP2, 2 stages per rank: the ranks recorded their stages' groups, so
     the timeline, the idle report and `labkit timeline` (--json, --idle, --plot) give 2 pipelines, each
@@ -259,7 +265,7 @@ def test_a_composed_runs_timeline_and_idle_are_per_pipeline(composed, tmp_path, 
 
     name = "loopedbfs fsdp clip"
     res, run = composed[name], composed["__dirs__"][name]
-    assert res is not None, composed["__job__"].error
+    assert res is not None, composed["__codes__"]
     pipelines = [[0, 2], [1, 3]]  # init_device_mesh (2, 2, 1): the ranks sharing a dp coordinate
     assert res["pipelines"] == pipelines
     tl = load_timeline(run)

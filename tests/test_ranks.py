@@ -69,6 +69,7 @@ def _gone(pids, timeout: float = 10.0) -> list[int]:
 
 # ---- cells, namespaces, output -------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_exec_returns_per_rank_values_and_keeps_namespaces(pool):
     assert pool.exec("x = rank * 10") == {0: None, 1: None}
     assert pool.exec("x + world_size") == {0: 2, 1: 12}
@@ -80,12 +81,14 @@ def test_exec_returns_per_rank_values_and_keeps_namespaces(pool):
         pool.exec("pass", ranks=[2])
 
 
+@pytest.mark.launches
 def test_values_the_kernel_cannot_load_come_back_as_their_repr(pool):
     got = pool.exec("class Point:\n    def __repr__(self):\n        return f'Point({rank})'\nPoint()")
     assert [repr(v) for v in got.values()] == ["Point(0)", "Point(1)"]
     assert pool.exec("torch.arange(3) + rank")[1].tolist() == [1, 2, 3]
 
 
+@pytest.mark.launches
 def test_output_is_prefixed_by_rank_and_still_in_the_rank_logs(pool, capsys):
     pool.exec("import sys, logging\nprint('hello from', rank)\nprint('to stderr', rank, file=sys.stderr)\n"
               "log = logging.getLogger('mine')\nlog.addHandler(logging.StreamHandler())")
@@ -127,6 +130,7 @@ def test_notebook_output_is_live_then_grouped_by_rank(monkeypatch, capsys):
     assert got.out == "[rank0] a1\n[rank0] a2\n[rank1] b1\n[rank1] b2\n" and got.err == "[rank0] warn\n"
 
 
+@pytest.mark.launches
 def test_status_names_every_rank(pool):
     st = pool.status()
     assert st["running"] and st["nproc"] == 2 and st["backend"] == "gloo" and st["device"] == "cpu"
@@ -135,6 +139,7 @@ def test_status_names_every_rank(pool):
     assert st["run_dir"] == str(pool.run_dir) and st["cells_run"] == pool.cells_run > 0
 
 
+@pytest.mark.launches
 def test_an_empty_cell_round_trip_is_under_50_ms(pool):
     times = []
     for _ in range(20):
@@ -146,6 +151,7 @@ def test_an_empty_cell_round_trip_is_under_50_ms(pool):
     assert median < 0.05
 
 
+@pytest.mark.launches
 def test_a_pipelining_cell_has_its_own_timeline(pool):
     t = time.perf_counter()
     assert pool.exec(BUILD + STEP) == {0: 0, 1: 2}
@@ -174,6 +180,7 @@ def test_a_pipelining_cell_has_its_own_timeline(pool):
 
 # ---- faults that keep the pool --------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_an_exception_on_one_rank_names_it_and_keeps_every_namespace(pool):
     pids = pool.pids()
     pool.exec("kept = 5")
@@ -187,6 +194,7 @@ def test_an_exception_on_one_rank_names_it_and_keeps_every_namespace(pool):
     assert pool.exec("kept") == {0: 6, 1: 6} and pool.pids() == pids
 
 
+@pytest.mark.launches
 def test_the_socket_refuses_clients_without_the_secret(pool):
     path = pool._job.listener.path
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -206,6 +214,7 @@ def test_the_socket_refuses_clients_without_the_secret(pool):
 
 
 @pytest.mark.skipif(not Path("/usr/bin/ss").exists() and not Path("/bin/ss").exists(), reason="needs ss (iproute2)")
+@pytest.mark.launches
 def test_the_pool_listens_on_loopback_only(pool):
     pids = {pool.agent_pid, *pool.pids()}
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
@@ -224,6 +233,7 @@ def _interrupt_after(seconds: float):
     return lambda: (timer.cancel(), signal.signal(signal.SIGINT, old))
 
 
+@pytest.mark.launches
 def test_an_interrupt_stops_every_rank_and_keeps_namespaces(pool, capsys):
     pids = pool.pids()
     pool.exec("kept2 = rank")
@@ -241,6 +251,7 @@ def test_an_interrupt_stops_every_rank_and_keeps_namespaces(pool, capsys):
 
 # ---- faults that restart the pool -----------------------------------------------------------------
 
+@pytest.mark.launches
 def test_a_rank_blocked_by_a_failed_peer_shows_its_stack_and_is_released(pool):
     """Rank 1 waits in a recv for rank 0, which failed: the pool shows where rank 1 was, then releases
     it (every rank ends its gloo connections, the recv fails, every rank joins a new process group):
@@ -258,6 +269,7 @@ def test_a_rank_blocked_by_a_failed_peer_shows_its_stack_and_is_released(pool):
     assert pool.exec("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") == {0: 3.0, 1: 3.0}
 
 
+@pytest.mark.launches
 def test_a_hung_cell_shows_every_rank_stack_and_the_pool_restarts(pool):
     # Rank 1 holds the GIL in C (a regex that never ends), so its reader thread cannot answer: its
     # stack comes from faulthandler (SIGUSR1) instead. Rank 0 answers itself.
@@ -274,6 +286,7 @@ def test_a_hung_cell_shows_every_rank_stack_and_the_pool_restarts(pool):
     assert pool.exec("rank") == {0: 0, 1: 1}
 
 
+@pytest.mark.launches
 def test_a_rank_whose_process_ends_is_named_and_the_pool_restarts(pool):
     with pytest.raises(RanksError) as e:
         pool.exec("import os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(600)")
@@ -282,6 +295,7 @@ def test_a_rank_whose_process_ends_is_named_and_the_pool_restarts(pool):
     assert pool.exec("rank") == {0: 0, 1: 1}
 
 
+@pytest.mark.launches
 def test_an_interrupt_with_a_blocked_rank_restarts_the_pool(pool, capsys):
     old = pool.pids()
     undo = _interrupt_after(1.0)
@@ -297,6 +311,7 @@ def test_an_interrupt_with_a_blocked_rank_restarts_the_pool(pool, capsys):
 
 # ---- the magics, and nothing left behind -----------------------------------------------------------
 
+@pytest.mark.launches
 def test_magics_run_cells_show_status_stop_and_start_a_pool(pool, capsys, monkeypatch, tmp_path):
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -340,6 +355,7 @@ if sys.argv[2] == "hang":
 """
 
 
+@pytest.mark.launches
 def test_an_exiting_or_killed_kernel_leaves_no_rank(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent(KERNEL))

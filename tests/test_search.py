@@ -133,18 +133,40 @@ def test_a_schedule_csv_that_cannot_run_is_refused_before_launch(tmp_path, edit,
         RunConfig(schedule="1F1B", pp_size=4, n_microbatches=8, preset="tiny", schedule_csv=str(path))
 
 
-def test_a_searched_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(tmp_path):
-    """The K = P order, as torch's compute-only CSV, through `labkit run --schedule-csv` on 4 real
-    ranks (the tutorial model, tiny preset): torch's runtime adds the sends, the step equals the
-    unsplit model's, and the timeline is drawn beside the order simulated at the measured costs."""
-    out = tmp_path / "zb.csv"
-    out.write_text(search(4, 8, UNIT, memory_limit=4).csv())
-    run = tmp_path / "run"
-    p = subprocess.run(labkit_cli("run", "--schedule", "1F1B", "--nproc", "4", "--microbatches", "8", "--preset", "tiny",
-                                  "--schedule-csv", str(out), "--quiet", "--stream", "none", "--out", str(run)),
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    result = json.loads((run / "result.json").read_text())
+def _run_flags(*flags: str):
+    """The RunConfig `labkit run` makes of these flags (its own parser), device cpu: the suite's pools."""
+    from labkit.cli import build_parser, config_from_flags
+
+    a = build_parser().parse_args(["run", *flags, "--device", "cpu"])
+    return config_from_flags(a, pp_size=a.pp_size)
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """Two searched orders as torch's compute-only CSV (the K = P order; a V order at half of 1F1B's
+    memory), each made into a config by `labkit run`'s own flags (--schedule-csv), both run on the
+    suite's warm 4-rank pool as the reference job runs them (conftest.run_suite)."""
+    from conftest import run_suite
+
+    root = tmp_path_factory.mktemp("searched")
+    kp, v = search(4, 8, UNIT, memory_limit=4), search(4, 8, Cost(F=0.5, I=0.5, W=0.5), memory_limit=2, stages_per_rank=2)
+    (root / "zb.csv").write_text(kp.csv())
+    (root / "v.csv").write_text(v.csv())
+    cfgs = {"k=p": _run_flags("--schedule", "1F1B", "--nproc", "4", "--microbatches", "8", "--preset", "tiny",
+                              "--schedule-csv", str(root / "zb.csv")),
+            "v": _run_flags("--schedule", "ZBVZeroBubble", "--stages-per-rank", "2", "--nproc", "4", "--microbatches",
+                            "8", "--preset", "tiny", "--schedule-csv", str(root / "v.csv"))}
+    return run_suite(root, "runs", cfgs, 4), v
+
+
+@pytest.mark.launches
+def test_a_searched_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(searched):
+    """The K = P order on 4 real ranks (the tutorial model, tiny preset): torch's runtime adds the
+    sends, the step equals the unsplit model's, and the timeline is drawn beside the order simulated
+    at the measured costs."""
+    runs, _ = searched
+    result, run = runs["k=p"], runs["__dirs__"]["k=p"]
+    assert result is not None and runs["__codes__"]["k=p"] == 0, runs["__codes__"]
     assert result["reference_match"] is True and result["n_microbatches"] == 8
     assert result["runtime"].endswith("_PipelineScheduleRuntime")
     from labkit.timeline.compare import measured_vs_ideal
@@ -266,18 +288,12 @@ def test_v_at_half_memory_beats_1f1b_with_the_exact_model():
     assert r.makespan < simulate("1F1B", 4, 8, 1, Cost(F=1, B=2)).metrics()["makespan"] == 33
 
 
-def test_a_searched_v_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(tmp_path):
+@pytest.mark.launches
+def test_a_searched_v_order_runs_on_torchs_runtime_and_matches_the_unsplit_model(searched):
     """A V order (list scheduler, half of 1F1B's memory) as torch's CSV through `labkit run
-    --schedule ZBVZeroBubble --stages-per-rank 2 --schedule-csv` on 4 ranks: matches the unsplit model."""
-    r = search(4, 8, Cost(F=0.5, I=0.5, W=0.5), memory_limit=2, stages_per_rank=2)
-    out = tmp_path / "v.csv"
-    out.write_text(r.csv())
-    run = tmp_path / "run"
-    p = subprocess.run(labkit_cli("run", "--schedule", "ZBVZeroBubble", "--stages-per-rank", "2", "--nproc", "4",
-                                  "--microbatches", "8", "--preset", "tiny", "--schedule-csv", str(out), "--quiet",
-                                  "--stream", "none", "--out", str(run)),
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    result = json.loads((run / "result.json").read_text())
+    --schedule ZBVZeroBubble --stages-per-rank 2 --schedule-csv`'s config on 4 ranks: matches the unsplit model."""
+    runs, r = searched
+    result = runs["v"]
+    assert result is not None and runs["__codes__"]["v"] == 0, runs["__codes__"]
     assert result["reference_match"] is True and result["runtime"].endswith("_PipelineScheduleRuntime")
     assert result["order"] == {str(k): row.split(",") for k, row in enumerate(r.csv().splitlines())}

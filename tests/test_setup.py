@@ -25,6 +25,14 @@ def _pip_config(tmp_path: Path, constraint: str) -> dict[str, str]:
     return {"PIP_CONFIG_FILE": str(conf), "PIP_CONSTRAINT": ""}  # a cap set in the environment would win
 
 
+@pytest.fixture(autouse=True)
+def _artifacts_in_tmp(tmp_path, monkeypatch):
+    """dev.py's test logs (the count of torch-importing processes) go to tmp_path here: a test of
+    test_legs() must not reset the log of the suite that is running it."""
+    import dev
+
+    monkeypatch.setattr(dev, "ARTIFACTS", tmp_path / "test-artifacts")
+
 def test_a_cap_below_the_lock_installs_the_newest_supported_torch_it_allows(tmp_path, monkeypatch, capsys):
     for k, v in _pip_config(tmp_path, "torch<=2.13.0").items():
         monkeypatch.setenv(k, v)

@@ -131,6 +131,7 @@ def test_time_by_kind_counts_nested_spans_once_per_rank_and_step():
 
 # ---- real jobs ---------------------------------------------------------------------------------------
 
+@pytest.mark.launches
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
 def test_spans_and_the_profiler_agree_on_the_same_run(schedule, runs):
     out = runs / schedule
@@ -191,6 +192,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.launches
 def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
     script = tmp_path / "my_pipeline.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))

@@ -20,6 +20,8 @@ import pytest
 from labkit.core import startup
 from labkit.spans.paths import BOOT_DIR
 
+pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
+
 PROBE = textwrap.dedent("""
     import gc, json, sys
     facts = {"on_at_start": gc.isenabled()}

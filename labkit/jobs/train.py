@@ -168,12 +168,10 @@ def main(argv=None) -> int:
 
 def run_suite(a: argparse.Namespace) -> int:
     """Several runs in one job (`--suite FILE`: a JSON list of {"config": RunConfig dict, "out": run
-    directory}), one after the other on the same ranks: the test suite's way to check many configs
-    without paying a launch each (~6 s of torchrun and imports on 2 cores). Every config needs the
-    job's world size; each writes its own result.json and spans; the PP logs are the job's."""
+    directory}), one after the other on the same ranks: the test suite's and `sweep`'s way to check
+    many configs without paying a launch each (~6 s of torchrun and imports on 2 cores). Every config
+    needs the job's world size; each writes its own result.json and spans; the PP logs are the job's."""
     import json
-
-    from ..spans.record import recorder
 
     items = json.loads(open(a.suite).read())
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -186,21 +184,46 @@ def run_suite(a: argparse.Namespace) -> int:
         print(f"[labkit] configuration error: {e}", file=sys.stderr)
         return 2
     d = worker.init_distributed(cfgs[0].device, max(c.pg_timeout for c in cfgs))
+    worst = max(run_items(items, d, a))
+    worker.teardown()
+    return worst
+
+
+def run_items(items: list[dict], d, a: argparse.Namespace | None = None) -> list[int]:
+    """Each item ({"config": RunConfig dict, "out": run directory, optional "job_args": the job's
+    flags for it, e.g. ["--accumulate-pitfall"]}) in turn on this process's ranks, whose process group
+    is up: a `--suite` job, or live ranks (`labkit.Ranks`; `labkit.ranks.suite` sends them these).
+    Each run writes its config.json, result.json (rank 0) and spans into its own directory.
+    Returns each item's exit code (0 ok, 3 the check failed, 2 a split this model cannot take)."""
+    from ..spans.record import recorder
+
     # the spans recorder is installed when torch's pipelining is first imported (labkit/spans/boot):
     # import it now, so that the FIRST config's spans go to its own directory too, not the job's
     import torch.distributed.pipelining  # noqa: F401
-    worst = 0
-    for cfg, it in zip(cfgs, items):
+    codes = []
+    for it in items:
+        cfg = RunConfig.from_dict(it["config"])
         out = Path(it["out"])
         out.mkdir(parents=True, exist_ok=True)
         cfg.to_json(out / "config.json")
         rec = recorder()
         if rec is not None:
             rec.use_file(out / "spans" / f"rank{d.rank}.jsonl")
-        worst = max(worst, run_config(cfg, d, out, a))
+        args = parse_args(list(it.get("job_args", []))) if "job_args" in it or a is None else a
+        codes.append(run_config(cfg, d, out, args))
         dist.barrier()
-    worker.teardown()
-    return worst
+    return codes
+
+
+def run_here(items: list[dict]) -> list[int]:
+    """`run_items` on live ranks (`labkit.Ranks`: their process group is up; `labkit.ranks.suite`)."""
+    from ..worker.distributed import DistInfo, choose_device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = choose_device(RunConfig.from_dict(items[0]["config"]).device, local_rank, local_world)
+    d = DistInfo(rank, world, local_rank, local_world, device, dist.get_backend())
+    return run_items(items, d)
 
 
 def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
