@@ -22,8 +22,6 @@ from conftest import REPO, kit_processes, labkit_cli
 from labkit.config.presets import PRESETS
 from labkit.launching.launch import LaunchError, launch
 
-pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
-
 HELLO = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist
@@ -119,6 +117,7 @@ def _wait_for_ranks(run_dir: Path, n: int, limit: float = 60) -> list[psutil.Pro
 
 # 1. a rank raises ----------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_crash_is_reported_quickly_with_rank_and_tail(write, runs):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
@@ -145,6 +144,7 @@ def test_crash_is_reported_quickly_with_rank_and_tail(write, runs):
 HANG_DEADLINE = 40
 
 
+@pytest.mark.launches
 def test_hang_is_ended_at_the_deadline_with_every_stack(write, runs):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
@@ -172,6 +172,7 @@ def _start_driver(write, tmp_path, script_text, sleep="60"):
     return proc, out
 
 
+@pytest.mark.launches
 def test_sigint_to_the_kernels_process_group_ends_every_rank(write, tmp_path, runs):
     proc, out = _start_driver(write, tmp_path, HELLO)
     job = _wait_for_ranks(out, 2)
@@ -189,6 +190,7 @@ def test_sigint_to_the_kernels_process_group_ends_every_rank(write, tmp_path, ru
 
 # 4. the kernel is killed hard ------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_ranks_exit_by_themselves_when_the_kernel_is_killed(write, tmp_path, runs):
     proc, out = _start_driver(write, tmp_path, HELLO)
     job = _wait_for_ranks(out, 2)
@@ -245,6 +247,7 @@ def test_clean_ends_orphans_and_nothing_else(tmp_path, runs):
 
 # 5. concurrency --------------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_eight_launches_at_once(write, runs):
     script = write(HELLO, "hello.py")
     procs = [subprocess.Popen(labkit_cli("launch", "--nproc", "2", "--quiet", "--stream", "none",
@@ -289,7 +292,12 @@ BAD_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("args, fix", BAD_RUNS, ids=[" ".join(a) for a, _ in BAD_RUNS])
+# the device check imports torch (torch.cuda) in the command's process: a launch's cost, not the quick tier's
+BAD_RUNS = [pytest.param(a, f, marks=pytest.mark.launches) if "cuda" in a else (a, f) for a, f in BAD_RUNS]
+
+
+@pytest.mark.parametrize("args, fix", BAD_RUNS, ids=[" ".join(p.values[0] if hasattr(p, "values") else p[0])
+                                                    for p in BAD_RUNS])
 def test_bad_run_input_is_rejected_before_torchrun(args, fix, tmp_path):
     out = tmp_path / "never"
     t0 = time.monotonic()
@@ -344,6 +352,7 @@ def _listeners(pids: set[int]) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/usr/bin/ss").exists() and not Path("/bin/ss").exists(), reason="needs ss (iproute2)")
+@pytest.mark.launches
 def test_single_node_job_listens_on_loopback_only(write, tmp_path, runs):
     proc, out = _start_driver(write, tmp_path, HELLO, sleep="8")
     job = _wait_for_ranks(out, 2)
@@ -378,6 +387,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.launches
 def test_two_torchrun_agents_form_one_two_node_job(write, runs):
     script = write(HELLO, "hello.py")
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -391,6 +401,7 @@ def test_two_torchrun_agents_form_one_two_node_job(write, runs):
     assert seen == ["rank 0 of 2 started", "rank 1 of 2 started"], "--node-rank must decide the global ranks"
 
 
+@pytest.mark.launches
 def test_slurm_script_runs_a_two_node_job_through_srun(tmp_path, runs):
     """Write the batch script, then run it with stand-ins for srun/scontrol that start both 'nodes' here."""
     from labkit.launching.slurm import slurm_script

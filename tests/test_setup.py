@@ -95,6 +95,7 @@ def _dev(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.Complete
                           text=True, env=env, timeout=300)
 
 
+@pytest.mark.launches
 def test_a_cap_that_allows_no_supported_torch_fails_with_one_message(tmp_path):
     r = _dev(tmp_path, _pip_config(tmp_path, "torch<2.11"), "setup")
     assert r.returncode == 3, r.stdout + r.stderr
@@ -103,6 +104,7 @@ def test_a_cap_that_allows_no_supported_torch_fails_with_one_message(tmp_path):
     assert "torch<2.11" in r.stderr and "raise that cap" in r.stderr and "command: " in r.stderr
 
 
+@pytest.mark.launches
 def test_no_network_fails_with_one_message(tmp_path):
     # an index nobody answers, no local wheels: pip cannot find any torch
     r = _dev(tmp_path, {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
@@ -307,3 +309,42 @@ def test_the_busy_processes_end_when_dev_py_is_killed(tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"spinners still running 120 s after dev.py was killed: {[p.pid for p in alive]}"
+
+
+def test_the_count_of_torch_importing_processes_by_role(tmp_path):
+    """scripts/torch_count's roles from real command lines, and dev.py's one-line sum per leg."""
+    sys.path.insert(0, str(ROOT / "scripts" / "torch_count"))
+    try:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("torch_count", ROOT / "scripts" / "torch_count" / "sitecustomize.py")
+        count = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(count)
+    finally:
+        sys.path.pop(0)
+    py = "/v/bin/python"
+    assert count.role([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "x.py"], {}) == "agent"
+    assert count.role([py, "-u", "x.py"], {"LOCAL_RANK": "0", "RANK": "0"}) == "rank"
+    assert count.role([py, "-m", "ipykernel_launcher", "-f", "k.json"], {}) == "kernel"
+    assert count.role([py, "/v/lib/site-packages/pytest/__main__.py", "tests"], {}) == "pytest"
+    assert count.role([py, "-c", "import torch"], {}) == "script"
+    dev = _dev_module()
+    dev.reset_imports_log(1)
+    dev.imports_log(1).write_text("rank\t1\tt::a\tcmd\nrank\t2\tt::a\tcmd\nagent\t3\tt::a\tcmd\nkernel\t4\tnb\tcmd\n")
+    line = dev.count_imports(1)
+    assert line.startswith("leg 1: 4 processes imported torch (2 ranks, 1 agent, 1 kernel)"), line
+
+
+def test_quick_names_a_test_that_started_a_torch_process_and_fails(monkeypatch, capsys):
+    dev = _dev_module()
+    monkeypatch.setattr(dev, "setup", lambda *a, **k: "2.15.0")
+
+    def fake_run(cmd, cwd=None, env=None):
+        assert "-m" in cmd and dev.QUICK_MARKS in cmd and "--nbval" not in cmd
+        with open(env["PPLAB_TORCH_IMPORTS"], "a") as f:
+            f.write("pytest\t1\t\tpytest\nrank\t2\ttests/test_x.py::test_unmarked\tx.py\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(dev.subprocess, "run", fake_run)
+    assert dev.quick([]) == 1
+    out = capsys.readouterr().out
+    assert "mark them `launches`" in out and "tests/test_x.py::test_unmarked" in out and "left out:" in out

@@ -20,6 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.launches  # a wheel built and installed in a new venv, then run there (jobs included)
+
 # What the notebooks import (grep notebooks/*.ipynb for "labkit"): all must come from the wheel.
 NOTEBOOK_IMPORTS = ["labkit", "labkit.notebook.helpers", "labkit.config.run", "labkit.models.tutorial", "labkit.worker.stages", "labkit.theory",
                     "labkit.timeline.plot", "labkit.timeline.compare", "labkit.logs", "labkit.models.workload", "labkit.launching.sweep", "labkit.timeline.perfetto",
@@ -56,6 +58,8 @@ def fresh(tmp_path_factory):
     work = tmp / "elsewhere"  # not the repository: nothing of it is on sys.path there
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LABKIT_RUN_DIR")}
+    if os.environ.get("PPLAB_TORCH_IMPORTS"):  # dev.py test's count of torch-importing processes follows them
+        env["PYTHONPATH"] = str(REPO / "scripts" / "torch_count")  # (a sitecustomize of its own; no labkit there)
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return {"py": py, "bin": env_dir / "bin", "purelib": purelib, "cwd": work, "env": env, "wheel": wheel}
 
