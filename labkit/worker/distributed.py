@@ -236,6 +236,16 @@ def run_dir(override: str | os.PathLike | None = None) -> Path:
     return Path(override or os.environ.get("LABKIT_RUN_DIR") or ".")
 
 
+def noise_fields(check) -> dict:
+    """The check's float-noise figures for result.json (labkit.worker.noise): the worst ratio to the
+    measured floor, the limit, where it went wrong, and the 10 tensors with the largest ratios."""
+    figs = sorted(getattr(check, "figures", []), key=lambda f: -f.ratio)
+    return {"multiple": getattr(check, "noise_multiple", None), "worst_ratio": figs[0].ratio if figs else None,
+            "within": all(f.ratio <= check.noise_multiple for f in figs) if figs else None,
+            "where": getattr(check, "where", ""), "no_grad": getattr(check, "no_grad", []),
+            "notes": getattr(check, "notes", []), "worst": [f.as_dict() for f in figs[:10]]}
+
+
 def write_result(out_dir: str | os.PathLike, d: "DistInfo", check, **fields) -> None:
     """result.json of a kit job (rank 0): the job's own fields, the reference check, versions and device."""
     import platform
@@ -247,6 +257,7 @@ def write_result(out_dir: str | os.PathLike, d: "DistInfo", check, **fields) -> 
         "max_abs_diff_losses": check.max_abs_diff_losses, "max_abs_diff_grads": check.max_abs_diff_grads,
         "max_abs_diff_outputs": check.max_abs_diff_outputs,
         "compared_param_elements": check.compared, "model_param_elements": check.expected,
+        "noise": noise_fields(check),
         "device": str(d.device), "backend": d.backend, "torch": torch.__version__,
         "python": platform.python_version(),
     })

@@ -9,12 +9,14 @@ bug, where microbatches cut the sequence (notebooks 01 and 03).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from .calls import CheckStepError, _local_report, _verdict  # noqa: F401  (CheckStepError: part of this API)
+from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy, summary, where
 
 
 @dataclass
@@ -22,27 +24,78 @@ class Reference:
     losses: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     output: torch.Tensor | None = None
+    dropped: list[str] = field(default_factory=list)
+    """Modules whose instance-level `forward` (a wrapper) the reference could not run on its copy."""
 
 
 def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
-                          chunk_dim: int = 0, kwargs: dict | None = None, clip_grad_norm: float | None = None) -> Reference:
+                          chunk_dim: int = 0, kwargs: dict | None = None, clip_grad_norm: float | None = None,
+                          autocast: torch.dtype | None = None) -> Reference:
     """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch;
     the per-microbatch losses from the output and target cut along `chunk_dim`. `kwargs`: the model's
     other inputs for the whole batch (attention_mask, position_ids); a model that returns a tuple or
-    a transformers ModelOutput is read as its first element (the logits)."""
-    ref = copy.deepcopy(model).to(device)
+    a transformers ModelOutput is read as its first element (the logits). `autocast`: the forward
+    runs under torch.autocast with that dtype, as the pipelined step's did. The model is copied
+    (`noise.reference_copy`: a forward replaced on an instance runs on the copy's parameters)."""
+    ref = reference_copy(model).to(device)
     ref.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
     if loss_fn is None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_ctx(device, autocast):
             return Reference(output=_first(ref(x, **kwargs)).detach())
-    out = _first(ref(x, **kwargs))
+    with autocast_ctx(device, autocast):
+        out = _first(ref(x, **kwargs))
     losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim), y.chunk(n_microbatches, dim=chunk_dim))]
     torch.stack(losses).mean().backward()
     if clip_grad_norm is not None:  # what a pipelined run clipped over all its stages (--clip-grad-norm)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad_norm)
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return Reference(losses=[float(l.detach()) for l in losses], grads=grads)
+    return Reference(losses=[float(l.detach()) for l in losses], grads=grads, dropped=ref._labkit_dropped_forwards)
+
+
+def float64_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu", chunk_dim: int = 0,
+                      kwargs: dict | None = None, clip_grad_norm: float | None = None) -> Reference | None:
+    """`whole_batch_reference` of a float64 copy on float64 inputs, without autocast: the truth a
+    step's own rounding is measured against (None where the model cannot run in float64)."""
+    up = lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v  # noqa: E731
+    try:
+        model64 = reference_copy(model).double()
+        return whole_batch_reference(model64, up(x), up(y), n_microbatches, loss_fn, device, chunk_dim,
+                                     {k: up(v) for k, v in (kwargs or {}).items()}, clip_grad_norm)
+    except (RuntimeError, TypeError):
+        return None
+
+
+def microbatched_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
+                           chunk_dim: int = 0, kwargs: dict | None = None, clip_grad_norm: float | None = None,
+                           autocast: torch.dtype | None = None) -> Reference:
+    """The unsplit `model` run microbatch by microbatch, as a pipeline adds the numbers up: each
+    microbatch's forward and loss, its backward accumulating into the gradients, then the sum divided
+    by the number of microbatches (torch's scale_grads). The same numbers as `whole_batch_reference`
+    in another order: how far the two differ is this model's float noise (labkit.worker.noise)."""
+    ref = reference_copy(model).to(device)
+    ref.zero_grad(set_to_none=True)
+    kwargs = kwargs or {}
+    size = x.shape[chunk_dim] if torch.is_tensor(x) and x.dim() > chunk_dim else 0
+    xs, kws = x.chunk(n_microbatches, dim=chunk_dim), chunk_kwargs(kwargs, size, n_microbatches, chunk_dim)
+    if loss_fn is None:
+        with torch.no_grad(), autocast_ctx(device, autocast):
+            return Reference(output=torch.cat([_first(ref(xc, **kw)).detach() for xc, kw in zip(xs, kws)], dim=chunk_dim))
+    losses = []
+    for xc, yc, kw in zip(xs, y.chunk(n_microbatches, dim=chunk_dim), kws):
+        with autocast_ctx(device, autocast):
+            out = _first(ref(xc, **kw))
+        loss = loss_fn(out, yc)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad.div_(n_microbatches)
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad_norm)
+    return Reference(losses=losses, grads={n: p.grad.detach().clone() for n, p in ref.named_parameters()
+                                           if p.grad is not None})
 
 
 def _first(out):
@@ -87,23 +140,48 @@ class Check:
     max_abs_diff_losses: float
     max_abs_diff_grads: float
     max_abs_diff_outputs: float
-    tolerance: float
+    tolerance: float | None
+    """An absolute bound the caller gave; None: the step is judged against measured float noise."""
     extras: list[list[float]]
     """Each rank's `extra` floats, in rank order (e.g. step times, peak memory)."""
+    figures: list[Figure] = field(default_factory=list)
+    """Every compared tensor (each microbatch's loss, each gradient, the output): its error against the
+    reference, the floor measured for this model and data, their ratio (labkit.worker.noise)."""
+    noise_multiple: float = NOISE_MULTIPLE
+    where: str = ""
+    """What diverges and what that points to, when the step is outside float noise."""
+    no_grad: list[str] = field(default_factory=list)
+    """Parameters a stage holds whose gradient was None after the step."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((f.ratio for f in self.figures), default=0.0)
 
     @property
     def failure(self) -> str | None:
         if self.ok:
             return None
+        if self.no_grad:
+            return (f"{', '.join(self.no_grad[:3])}{' and others' if len(self.no_grad) > 3 else ''}: held by the "
+                    f"stage but received no gradient (unused in its forward?): every parameter a stage holds must "
+                    f"take part in its forward and backward, or be left out of the stage")
         if self.compared != self.expected and self.reference_losses:
             return (f"gradients compared for {self.compared} of {self.expected} parameters: some of the unsplit "
                     "model's parameters are held by no stage (a layer left out of every stage?)")
         if self.max_abs_diff == float("inf"):
             return ("a loss or gradient is missing: pass the `losses` list that schedule.step filled, and "
                     "check before the optimizer step or zero_grad")
-        return f"reference mismatch: max abs diff {self.max_abs_diff:.3g} > tolerance {self.tolerance:g}"
+        if self.tolerance is None:
+            return summary(self.figures, self.noise_multiple) + (f". Where: {self.where}" if self.where else "")
+        return (f"reference mismatch: max abs diff {self.max_abs_diff:.3g} > tolerance {self.tolerance:g}"
+                + (f". Where, against this model's float noise: {self.where}" if self.where else ""))
 
     def verdict(self) -> str:
+        if self.tolerance is None:
+            return (f"{'matches' if self.ok else 'DOES NOT match'} the unsplit model within float noise (worst "
+                    f"tensor {self.worst_ratio:.2g}x its measured floor, limit {self.noise_multiple:g}x; max abs "
+                    f"diff {self.max_abs_diff:.2e})")
         return (f"{'matches' if self.ok else 'DOES NOT match'} the unsplit model (max abs diff "
                 f"{self.max_abs_diff:.2e}, tolerance {self.tolerance:g})")
 
@@ -115,150 +193,19 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
             for s in stages for n, p in s.submod.named_parameters() if p.grad is not None}
 
 
-class CheckStepError(ValueError):
-    """`check_step` was called in a way that cannot compare the step (a wrong microbatch count, losses on
-    the wrong rank, stage names that are not the unsplit model's...). Raised on EVERY rank of the
-    pipeline with the same message, before the check's collectives: nothing is left waiting."""
-
-
-def _local_report(full: nn.Module, stages, losses, loss_fn, output, prefix_stage_index, tied, renamed,
-                  extra=(), batch=None) -> dict:
-    """What this rank knows about the call, for the verdict every rank computes the same way."""
-    params = {n: tuple(p.shape) for n, p in full.named_parameters()}
-    by_tensor = {id(p): n for n, p in full.named_parameters()}
-    claims: dict[int, list[str]] = {}
-    misnamed, example, shapes = 0, "", []
-    for s in stages:
-        mine = claims.setdefault(int(s.stage_index), [])
-        for n, p in s.submod.named_parameters():
-            name = f"{s.stage_index}.{n}" if prefix_stage_index else n
-            if name in tied:  # a tied weight's copy stands for a name another stage holds too
-                continue
-            ref_name = renamed.get(name, name)
-            if ref_name not in params:
-                misnamed += 1
-                if not example:
-                    example = repr(name) + (f", which the unsplit model calls {by_tensor[id(p)]!r}"
-                                            if id(p) in by_tensor else "")
-                continue
-            mine.append(ref_name)  # only names the unsplit model has can collide
-            if params[ref_name] != tuple(p.shape) and len(shapes) < 3:
-                shapes.append(f"stage {s.stage_index}'s {name!r} has shape {list(p.shape)}, the unsplit model's "
-                              f"{ref_name!r} {list(params[ref_name])}")
-    return {"stages": sorted(claims), "last": any(s.is_last for s in stages),
-            "num_stages": max((int(getattr(s, "num_stages", 0) or 0) for s in stages), default=0),
-            "chunks": sorted({int(c) for s in stages if (c := getattr(s, "chunks", None)) is not None}),
-            "n_losses": len(losses or []), "has_output": output is not None, "n_extra": len(extra),
-            "batch": batch, "claims": claims, "misnamed": misnamed, "example": example, "shapes": shapes}
-
-
-def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, group, chunk_dim=0) -> list[str]:
-    """Every mistake the reports show, in words that say the fix; the same list on every rank."""
-    problems = []
-    where = lambda r: f"rank {ranks[r]}"  # noqa: E731
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        problems.append(f"n_microbatches must be a whole number >= 1 (the schedule's n_microbatches), got "
-                        f"{n_microbatches!r}.")
-        n_microbatches = None
-    # The microbatch count: the schedule's M (stage.chunks, set by its step) must divide it (several
-    # pipelines with group= or steps accumulated give a whole multiple of it).
-    stepped = sorted({c for rep in reports for c in rep["chunks"]})
-    if n_microbatches is not None and stepped and any(n_microbatches % c for c in stepped):
-        problems.append(
-            f"wrong microbatch count: the schedule stepped the stages with {' and '.join(map(str, stepped))} "
-            f"microbatches, check_step got n_microbatches={n_microbatches}. Pass the n_microbatches the schedule "
-            f"was built with ({stepped[0]}; times the number of pipelines with group=, times the steps "
-            f"accumulated).")
-    batches = {rep["batch"] for rep in reports if rep["batch"] is not None}
-    if len(batches) > 1:
-        problems.append(f"the ranks passed batches of different shapes ({', '.join(map(str, sorted(batches)))}): "
-                        f"pass the same whole batch x, y on every rank.")
-    elif batches and n_microbatches is not None:
-        shape = next(iter(batches))
-        size = shape[chunk_dim] if len(shape) > chunk_dim else 0
-        if size < n_microbatches or len(torch.empty(size).chunk(n_microbatches)) != n_microbatches:
-            what = "targets y" if loss_fn is not None else "inputs x"
-            problems.append(f"the {what} ({size} along dim {chunk_dim}) cannot be cut into {n_microbatches} "
-                            f"microbatches: pass the WHOLE batch the step ran on, and the schedule's n_microbatches.")
-    if len({rep["n_extra"] for rep in reports}) > 1:
-        problems.append("extra= must hold the same number of floats on every rank.")
-    # Who holds which stage: every stage once, the last one somewhere.
-    holders: dict[int, list[int]] = {}
-    for r, rep in enumerate(reports):
-        for i in rep["stages"]:
-            holders.setdefault(i, []).append(r)
-    twice = {i: rs for i, rs in sorted(holders.items()) if len(rs) > 1}
-    for i, rs in twice.items():
-        fix = (" These ranks run several pipelines: pass group=the pipeline's process group (the check is a "
-               "collective over it)." if group is None else " Check each rank's stage_index (PipelineStage(..., "
-               "stage_index, num_stages, ...)) and the group passed to check_step.")
-        problems.append(f"stage {i} is held by {' and '.join(where(r) for r in rs)}: a stage must be on one rank "
-                        f"of the pipeline.{fix}")
-    n_stages = max([rep["num_stages"] for rep in reports] + [0])
-    missing = [i for i in range(n_stages) if i not in holders]
-    if missing and not twice:
-        problems.append(f"no rank of the pipeline holds stage{'s' if len(missing) > 1 else ''} "
-                        f"{', '.join(map(str, missing))} of {n_stages}: check each rank's stage_index, and pass "
-                        f"group=the pipeline's process group when the ranks run several pipelines.")
-    lasts = [r for r, rep in enumerate(reports) if rep["last"]]
-    if not lasts and not missing:
-        problems.append("no rank holds the last stage: check each rank's stage_index and num_stages.")
-    # Losses (or the output, forward only): on the last stage, one per microbatch, and nowhere else.
-    for r, rep in enumerate(reports):
-        if loss_fn is None:
-            if rep["last"] and not rep["has_output"]:
-                problems.append(f"{where(r)} holds the last stage but got no output: pass output=the value "
-                                f"schedule.step returned there.")
-            continue
-        if rep["last"] and rep["n_losses"] == 0:
-            problems.append(f"{where(r)} holds the last stage but got no losses: pass the `losses` list that "
-                            f"schedule.step(target=y, losses=losses) filled on that rank.")
-        elif rep["last"] and n_microbatches is not None and rep["n_losses"] != n_microbatches:
-            problems.append(f"{where(r)} (the last stage) holds {rep['n_losses']} losses, check_step got "
-                            f"n_microbatches={n_microbatches}: one loss per microbatch. Pass the n_microbatches "
-                            f"the schedule was built with, and the `losses` list of one step.")
-        elif not rep["last"] and rep["n_losses"]:
-            problems.append(f"{where(r)} holds no last stage but passed {rep['n_losses']} losses: losses come "
-                            f"from the last stage only (schedule.step(target=y, losses=losses) on the rank that "
-                            f"holds it). Pass an empty list (or the list its step left empty) on the other ranks.")
-    # Names: each stage's parameters under the unsplit model's names of its own layers.
-    misnamed = sum(rep["misnamed"] for rep in reports)
-    if misnamed:
-        example = next((rep["example"] for rep in reports if rep["example"]), "")
-        problems.append(
-            f"{misnamed} stage parameters have names that the unsplit model does not have"
-            f"{', e.g. ' + example if example else ''}. If each stage module is `full[stage_index]` (stages "
-            "cut from an nn.Sequential, as in notebooks 04 and 05), pass prefix_stage_index=True; otherwise "
-            "pass renamed={name on the stage: name in the unsplit model}.")
-    owners: dict[str, list[int]] = {}
-    for rep in reports:  # (a stage's own names, twice over, would be one stage: set() below)
-        for i, names in rep["claims"].items():
-            for name in names:
-                owners.setdefault(name, []).append(int(i))
-    clash = {name: sorted(set(st)) for name, st in owners.items() if len(set(st)) > 1}
-    if clash:
-        pairs = sorted({tuple(st) for st in clash.values()})
-        names = sorted(clash, key=lambda n: (clash[n], n))
-        problems.append(
-            f"parameter names collide across stages: {len(clash)} name{' is' if len(clash) == 1 else 's are'} "
-            f"claimed by more than one stage "
-            f"({'; '.join('stages ' + ' and '.join(map(str, p)) for p in pairs)}), e.g. "
-            f"{', '.join(map(repr, names[:3]))}. Each name would be compared with ONE gradient of the unsplit "
-            "model, the wrong one for all but one stage. A stage whose children were renumbered 0..k (e.g. "
-            "nn.Sequential(full[2], full[3])) takes stage 0's names: keep the unsplit model's names (a slice "
-            "full[2:4] keeps '2.', '3.'; a copy with the other stages' layers deleted keeps them all, "
-            "notebook 01), use prefix_stage_index=True for stages that are full[stage_index], or pass "
-            "renamed={name on the stage: name in the unsplit model}.")
-    for rep in reports:
-        problems += [f"names that do not line up: {x} (renumbered children?)." for x in rep["shapes"]]
-    return list(dict.fromkeys(problems))
+def stage_names(stage, prefix_stage_index: bool = False):
+    """(name as the stage's gradients are keyed, the unsplit model's name, parameter) for each parameter
+    of a stage: wrapper prefixes (torch.compile, checkpoint_wrapper, DDP) taken out of the second."""
+    for n, p in stage.submod.named_parameters():
+        key = f"{stage.stage_index}.{n}" if prefix_stage_index else n
+        yield key, canonical(key), p
 
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
-               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float = 1e-4,
+               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float | None = 1e-4,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
                tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
-               clip_grad_norm: float | None = None) -> Check:
+               clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
@@ -280,7 +227,13 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     {"lm_head.weight": "transformer.wte.weight"} (labkit.models.tied.TiedWeights.aliases): each copy
     must hold the whole tied gradient (notebook 11); renamed: {name on a stage: the unsplit model's
     name} for a tied parameter that a stage holds once under its other name (a traced BERT);
-    clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were.
+    clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were;
+    tolerance: an absolute bound on every difference (default 1e-4); None: each compared tensor is
+    judged against the float noise measured for this model and data (labkit.worker.noise: within
+    NOISE_MULTIPLE times its floor), which tells a bug from rounding in float32 and bf16 alike;
+    autocast: the dtype the step ran under torch.autocast with: the references run under it too.
+    The returned Check carries every compared tensor's figures (error, floor, ratio), and a failure
+    says where the step went wrong (which losses, stages and parameters) in either mode.
     Every rank gets the same verdict. A call that cannot be compared (the microbatch count against the
     schedule's, losses missing on the last stage or passed on another rank, a stage held twice or by
     no rank, stage parameter names the unsplit model lacks or that collide across stages) raises
@@ -306,29 +259,41 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
                              + "\n".join(f"  - {p}" for p in problems))
     has_last = any(s.is_last for s in stages)
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
-    ref = whole_batch_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm)
+    args = (full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm, autocast)
+    ref, probe = whole_batch_reference(*args), microbatched_reference(*args)
+    truth = float64_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm)
+    last_stage = max((int(s.stage_index) for s in stages if s.is_last), default=None)
+    figures: list[Figure] = []
+    no_grad: list[str] = []
     gmax = ldiff = odiff = 0.0
     numel = 0
     if loss_fn is None:
         if has_last:
             odiff = float((output.to(ref.output.device) - ref.output).abs().max())
+            figures.append(figure("output", "output", last_stage, output, ref.output, probe.output,
+                                  truth=truth.output if truth else None))
     else:
         if grads is None:
             grads = stage_grads(stages, prefix_stage_index)
-        if prefix_stage_index:
-            named = nn.Module()
-            for s in stages:
-                named.add_module(str(s.stage_index), s.submod)
-            modules = [named]
-        else:
-            modules = [s.submod for s in stages]
-        gmax, numel = grad_diff(modules, grads, ref, tied, renamed)
+        gmax, numel = _compare_grads(stages, grads, ref, probe, truth, prefix_stage_index, tied, renamed,
+                                     n_microbatches, figures, no_grad)
         if has_last:
             ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
             if len(mine) != len(ref.losses):
                 ldiff = float("inf")
+            else:
+                f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+                truths = truth.losses if truth else [None] * len(mine)
+                figures += [figure("loss", str(i), last_stage, f64(p), f64(r), f64(c), 1, next(full.parameters()).dtype,
+                                   None if t is None else f64(t))
+                            for i, (p, r, c, t) in enumerate(zip(mine, ref.losses, probe.losses, truths))]
     per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra],
                                         device, group)
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, ([f.as_dict() for f in figures], no_grad, ref.dropped), group=group)
+    figures = [Figure(**f) for figs, _, _ in gathered for f in figs]
+    no_grad = [n for _, ng, _ in gathered for n in ng]
+    dropped = sorted({n for _, _, dr in gathered for n in dr})
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if loss_fn is None else worker.broadcast_floats(
         mine if has_last else None,
@@ -338,5 +303,35 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     expected = sum(p.numel() for p in full.parameters())
     diff = odiff if loss_fn is None else max(gmax, ldiff)
     complete = loss_fn is None or compared == expected
-    return Check(bool(diff <= tolerance and complete), diff, compared, expected, pipelined, ref.losses,
-                 ldiff, gmax, odiff, tolerance, [r[5:] for r in per_rank])
+    within = all(f.ratio <= NOISE_MULTIPLE for f in figures) and diff != float("inf")
+    ok = bool(complete and not no_grad and (within if tolerance is None else diff <= tolerance))
+    notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
+             f"by the reference's copy; the class's forward was"] if dropped else []
+    return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, tolerance,
+                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures), no_grad, notes)
+
+
+def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Reference | None, prefix_stage_index, tied,
+                   renamed, terms: int, figures: list, no_grad: list) -> tuple[float, int]:
+    """Each stage parameter's gradient against the reference: a figure each (appended to `figures`),
+    the parameters held but given no gradient (`no_grad`), the largest absolute difference and how
+    many elements were compared (a tied weight's copy is compared, not counted again)."""
+    worst, numel = 0.0, 0
+    for s in stages:
+        for key, name, p in stage_names(s, prefix_stage_index):
+            target = tied.get(name, renamed.get(name, name))
+            g, r, c = grads.get(key), ref.grads.get(target), probe.grads.get(target)
+            if g is None and r is None:  # used by neither: nothing to compare, nothing missing
+                numel += 0 if name in tied else p.numel()
+                continue
+            if g is None:
+                no_grad.append(f"stage {s.stage_index}'s {name!r}")
+                continue
+            if r is None or g.shape != r.shape:
+                worst = float("inf")
+                continue
+            worst = max(worst, float((g.to(r.device) - r).abs().max()))
+            t = truth.grads.get(target) if truth else None
+            figures.append(figure("grad", target, int(s.stage_index), g, r, c if c is not None else r, terms, truth=t))
+            numel += 0 if name in tied else p.numel()
+    return worst, numel

@@ -1,0 +1,181 @@
+"""Bug or float noise: the floor each compared tensor of a pipelined step is judged against.
+
+A correct pipeline does not reproduce the unsplit model's numbers bit for bit: it runs the model
+microbatch by microbatch and adds the gradients up microbatch after microbatch, so its sums run in
+another order; how far that moves a number depends on the model, the data and the dtype (large
+activations and bf16 move it most). A fixed tolerance cannot tell that from a bug. So, for every
+tensor the check compares (each microbatch's loss, each parameter's gradient, an inference output),
+`check_step(..., tolerance=None)` MEASURES the noise of this model on this data:
+
+    R  the unsplit model on the whole batch, in the step's dtype and autocast (the reference),
+    C  the same, run microbatch by microbatch (`microbatched_reference`): R's numbers in a pipeline's order,
+    T  the unsplit model in float64 on the whole batch (`float64_reference`): the truth,
+    floor = min(max|C - R|, max|R - T|) + MIN_FLOOR_ULPS * terms * eps(dtype) * max|R|
+
+`terms` is how many parts a pipeline adds up in an order R does not know (the microbatches, times
+the replicas). The minimum keeps a cut of the batch that changes the model's result (the tutorial's
+layout cuts a sequence) from passing as noise; max|R - T| alone would hide bugs under bf16, whose
+rounding is the same in P and R. A pipelined tensor P is within float noise when
+max|P - R| <= NOISE_MULTIPLE * floor.
+
+NOISE_MULTIPLE = 2, measured on this suite's correct runs (torch 2.15, CPU): every schedule x split
+of the tutorial model, GPT-2, BERT and Llama stages, FSDP2, replicated data parallelism,
+accumulation and a resumed checkpoint with clipping read at most 0.8 of their floor; tensor
+parallelism is not modelled yet: Llama's TP read 1.8, the tutorial model's TP 6e4 (its MLP biases'
+gradients cancel, and TP's split sums round the large terms differently): keep an absolute
+tolerance there (RunConfig's 1e-3). Bugs: a bias entering at 99% reads 1.8e4 in float32 and 3.5 in
+bf16 (tests/test_noise.py); the tutorial's layout 2e6; torch's default scale_grads under
+accumulation 1.4e6. bf16 resolves about 0.4%: a bug much below 1% can hide in its noise.
+
+Where it went wrong (`where`): which microbatches' losses are outside, which stages' gradients, the
+largest ratios by the unsplit model's names, and what that pattern points to.
+
+May import: torch. Used by labkit.worker.reference.check_step."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+NOISE_MULTIPLE = 2.0
+MIN_FLOOR_ULPS = 1.0
+SHOWN = 3  # how many of the worst tensors a failure names
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+
+
+@dataclass
+class Figure:
+    """One compared tensor: its error against the reference, the measured floor, their ratio."""
+
+    kind: str                 # "loss" | "grad" | "output"
+    name: str                 # microbatch index for a loss, the unsplit model's name for a gradient
+    stage: int | None
+    err: float                # max |pipelined - reference|
+    floor: float              # max(max |microbatched - reference|, the minimum floor)
+    scale: float              # max |reference|
+    ratio: float              # err / floor
+    fit: float = 1.0          # <P, R> / <R, R>: the factor P is R scaled by (1 when equal)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def eps_of(dtype: torch.dtype) -> float:
+    """The resolution a tensor is kept (and its parts added up) in."""
+    return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tensor, probe: torch.Tensor,
+           terms: int = 1, dtype: torch.dtype | None = None, truth: torch.Tensor | None = None) -> Figure:
+    """The figure of one tensor; compared in float64, on the reference's device. `terms`: how many
+    parts were added up into it in an order the reference does not know (the microbatches, times the
+    replicas: a gradient); `dtype`: what it was kept in, where the tensors given are not (losses
+    passed as Python floats)."""
+    p, r, c = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref, probe))
+    scale = float(r.abs().max()) if r.numel() else 0.0
+    noise = float((c - r).abs().max()) if r.numel() else 0.0
+    if truth is not None and r.numel():  # the reference's own error: a floor no cut of the batch can fake
+        noise = min(noise, float((truth.detach().to(ref.device, torch.float64) - r).abs().max()))
+    floor = max(noise + MIN_FLOOR_ULPS * terms * eps_of(dtype or ref.dtype) * scale, torch.finfo(torch.float64).tiny)
+    err = float((p - r).abs().max()) if r.numel() else 0.0
+    rr = float((r * r).sum())
+    fit = float((p * r).sum()) / rr if rr > 0 else 1.0
+    return Figure(kind, name, stage, err, floor, scale, err / floor, fit)
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` that computes with its OWN parameters. A `forward` replaced on a module
+    instance (the kit's SavedTensorTracker, a user's hook or wrapper) is copied by reference, so the
+    copy would still run the original module, on the original's parameters: a bound method is bound
+    to the copy instead; any other callable is dropped, and the class's forward runs (returned in
+    `dropped`, so the check can say so)."""
+    copy_ = __import__("copy").deepcopy(model)
+    dropped = []
+    for (name, orig), (_, mine) in zip(model.named_modules(), copy_.named_modules()):
+        f = mine.__dict__.get("forward")
+        if f is None:
+            continue
+        if isinstance(f, types.MethodType) and f.__self__ is orig:
+            mine.forward = types.MethodType(f.__func__, mine)
+        else:
+            del mine.__dict__["forward"]
+            dropped.append(name or "(the model)")
+    copy_._labkit_dropped_forwards = dropped
+    return copy_
+
+
+def autocast_ctx(device, autocast: torch.dtype | None):
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=autocast)
+
+
+def chunk_kwargs(kwargs: dict, size: int, n: int, dim: int) -> list[dict]:
+    """The model's other inputs for each microbatch: tensors of the batch's size along `dim` cut, the rest whole."""
+    out = [{} for _ in range(n)]
+    for k, v in kwargs.items():
+        parts = v.chunk(n, dim=dim) if torch.is_tensor(v) and v.dim() > dim and v.shape[dim] == size else [v] * n
+        for i in range(n):
+            out[i][k] = parts[i]
+    return out
+
+
+def canonical(name: str) -> str:
+    """A parameter name with the prefixes wrappers add (torch.compile's `_orig_mod.`, the checkpoint
+    wrapper's `_checkpoint_wrapped_module.`, DDP's `module.`) taken out: the unsplit model's name."""
+    for p in WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
+    """What diverges and what that points to, from every rank's figures (the same on every rank)."""
+    bad = [f for f in figures if f.ratio > multiple]
+    if not bad:
+        return ""
+    losses = sorted((f for f in bad if f.kind == "loss"), key=lambda f: int(f.name))
+    grads = sorted((f for f in bad if f.kind == "grad"), key=lambda f: -f.ratio)
+    outputs = [f for f in bad if f.kind == "output"]
+    all_grads = [f for f in figures if f.kind == "grad"]
+    lines = []
+    if outputs:
+        lines.append(f"the output differs ({outputs[0].ratio:.3g}x its floor): a forward on some stage")
+    if losses:
+        n_mb = sum(1 for f in figures if f.kind == "loss")
+        which = "every microbatch's loss" if len(losses) == n_mb else \
+            f"the loss of microbatch{'es' if len(losses) > 1 else ''} {', '.join(f.name for f in losses)}"
+        lines.append(f"{which} differs (up to {max(f.ratio for f in losses):.3g}x its floor): a forward is wrong "
+                     f"(the stage that holds the largest gradient departures below, or one before the last), "
+                     f"or the microbatches were cut or fed differently")
+    if grads:
+        stages = sorted({f.stage for f in grads if f.stage is not None})
+        worst = ", ".join(f"stage {f.stage}'s {f.name!r} ({f.ratio:.3g}x)" for f in grads[:SHOWN])
+        fits = [f.fit for f in all_grads if f.scale > 0]
+        spread = max(fits) - min(fits) if fits else 1.0
+        if fits and len(grads) == len(all_grads) and abs(fits[0] - 1) > 1e-3 and spread < 1e-3 * abs(fits[0]):
+            lines.append(f"every gradient is the reference's times {fits[0]:.4g} (losses equal): a loss-scaling "
+                         f"mistake (scale_grads, a loss divided twice or not at all, accumulation)")
+        elif not losses:
+            lines.append(f"the losses match; gradients of stage{'s' if len(stages) > 1 else ''} "
+                         f"{', '.join(map(str, stages))} differ: their backward, what was done to the gradients "
+                         f"after it (scaling, clipping, accumulation), or a forward on that stage whose effect on the "
+                         f"losses is below their floor (bf16). Largest: {worst}")
+        else:
+            lines.append(f"gradients of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} differ; "
+                         f"largest: {worst}")
+    return "; ".join(lines)
+
+
+def summary(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
+    """The failure's first line: how many tensors are outside the noise, and the worst."""
+    bad = sorted((f for f in figures if f.ratio > multiple), key=lambda f: -f.ratio)
+    worst = bad[0]
+    what = f"microbatch {worst.name}'s loss" if worst.kind == "loss" else \
+        "the output" if worst.kind == "output" else f"stage {worst.stage}'s {worst.name!r} gradient"
+    return (f"{len(bad)} of {len(figures)} compared tensors are outside float noise (more than {multiple:g}x the "
+            f"floor measured for this model and data); the worst, {what}, is {worst.ratio:.3g}x its floor "
+            f"(error {worst.err:.3g}, floor {worst.floor:.3g})")
