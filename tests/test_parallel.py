@@ -124,26 +124,32 @@ CLIPPED = [name for name, cfg in COMPOSED.items() if cfg.clip_grad_norm]
 def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     """The norm each run recorded before clipping is the unsplit model's on the global batch (each
     shard, FSDP's or TP's, counted once), the clipping acted, and the clipped gradients matched
-    (reference_match: the reference is clipped the same way). The norm's tolerance: 1e-5 relative
-    with FSDP; with TP the run's stated 1e-3 (TP's float32 sums in another order move the norm by
-    ~2.4e-4 here; the unpipelined TP model in float32 has the same norm as the run to 1e-8, and in
-    float64 the unsplit model's exactly)."""
+    (reference_match: the reference is clipped the same way). The norm is held against the unsplit
+    model's in float64 (the truth: the float32 reference computed in this process once read 2.547261
+    against the truth's 2.547499, 9.4e-5 away, in a busy capped run on torch 2.14.1, while every run
+    recorded the truth to 4e-8). The tolerance: 1e-5 relative, or 4x how far this process's float32
+    reference is from the truth if that is more, with FSDP; with TP the run's stated 1e-3 (TP's float32
+    sums in another order move the norm by ~2.4e-4 here; the unpipelined TP model in float32 has the
+    same norm as the run to 1e-8, and in float64 the unsplit model's exactly)."""
     import math
 
     from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
-    from labkit.worker.reference import whole_batch_reference
+    from labkit.worker.reference import float64_reference, whole_batch_reference
 
     cfg, res = COMPOSED[name], composed[name]
     assert res is not None, composed["__codes__"]
     x, y = make_batch(cfg)
-    ref = whole_batch_reference(build_model(cfg), x, y, res["checked_microbatches"], tokenwise_loss_fn)
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.grads.values()))
+    n_mb = res["checked_microbatches"]
+    norm_of = lambda ref: math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.grads.values()))  # noqa: E731
+    here = norm_of(whole_batch_reference(build_model(cfg), x, y, n_mb, tokenwise_loss_fn))
+    norm = norm_of(float64_reference(build_model(cfg), x, y, n_mb, tokenwise_loss_fn))
     recorded = res["grad_norm_before_clip"]
-    tol = res["tolerance"] if res["tp_size"] > 1 else 1e-5 * norm
+    tol = res["tolerance"] if res["tp_size"] > 1 else max(1e-5 * norm, 4 * abs(here - norm))
     # which run and which side, spelled out: a report of this failure once read "2.547499 against 2.547261",
     # and 2.547261 is the TP run's norm (`dualpipev tp clip`), not this run's
     said = (f"{name}: the run recorded {recorded} (tp_size {res['tp_size']}, fsdp {res['fsdp']}, run dir "
-            f"{composed['__dirs__'][name]}); the unsplit model in this process gives {norm:.9f}, tolerance {tol:.2g}")
+            f"{composed['__dirs__'][name]}); the unsplit model gives {norm:.9f} in float64, {here:.9f} in float32 "
+            f"in this process; tolerance {tol:.2g}")
     assert len(recorded) == 1 and recorded[0] == pytest.approx(norm, abs=tol), said
     assert norm > cfg.clip_grad_norm  # the clipping did act
     assert res["reference_match"] is True and res["clip_grad_norm"] == cfg.clip_grad_norm, res.get("failure")
