@@ -63,6 +63,9 @@ def test_gpu_check_runs_bare_on_cpu_and_every_part_has_a_verdict(runs, tmp_path)
     checkout = plain_checkout(tmp_path)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", str(tmp_path)),
            "PYTHONPATH": os.pathsep.join([str(checkout), str(shadow)]), "LANG": "C.UTF-8"}
+    if os.environ.get("PPLAB_TORCH_IMPORTS"):  # dev.py test's count of torch-importing processes follows them
+        env["PPLAB_TORCH_IMPORTS"] = os.environ["PPLAB_TORCH_IMPORTS"]
+        env["PYTHONPATH"] += os.pathsep + str(REPO / "scripts" / "torch_count")  # a sitecustomize; no labkit there
     probe = subprocess.run([str(python), "-c", "import importlib.util as u, importlib.metadata as m; "
                             "print(u.find_spec('jupyterlab') is None, "
                             "[e.name for e in m.entry_points(group='torchrun.handlers')])"],

@@ -348,3 +348,22 @@ def test_quick_names_a_test_that_started_a_torch_process_and_fails(monkeypatch, 
     assert dev.quick([]) == 1
     out = capsys.readouterr().out
     assert "mark them `launches`" in out and "tests/test_x.py::test_unmarked" in out and "left out:" in out
+
+
+@pytest.mark.parametrize("flags, in_turn", [([], False), (["--legs-in-turn"], True), (["--legs-beside"], False)])
+def test_leg_2_runs_beside_leg_1_unless_asked_to_wait(monkeypatch, flags, in_turn):
+    dev = _dev_module()
+    seen = {}
+
+    class Leg:
+        def __init__(self, argv, after=None, ready=False):
+            seen.update(argv=argv, after=after)
+            self.torch = "2.11.0"
+
+        def finish(self):
+            return 0
+
+    monkeypatch.setattr(dev, "OtherLeg", Leg)
+    monkeypatch.setattr(dev, "pytest", lambda *a, serial=False, **k: 5 if serial else 0)
+    assert dev.test_legs([*flags, "-x"], "2.15.0") == 0
+    assert seen["argv"] == ["-x"] and (seen["after"] is not None) is in_turn, seen
