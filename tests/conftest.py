@@ -71,6 +71,19 @@ def clean_namespace(pool) -> None:
     pool.exec(f"[globals().pop(k) for k in list(globals()) if k not in {sorted(POOL_BASE)!r}] and None")
 
 
+def module_pool(nproc: int, setup: str = ""):
+    """A module-scoped `pool` fixture: the suite's pool of `nproc` ranks (`live_ranks`), `setup` run on
+    it first, its namespace cleaned after the module (`pool = module_pool(2, SETUP)` in a test file)."""
+    @pytest.fixture(scope="module")
+    def pool():
+        p = live_ranks(nproc)
+        if setup:
+            p.exec(setup)
+        yield p
+        clean_namespace(p)
+    return pool
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.close()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import clean_namespace, live_ranks
+from conftest import module_pool
 from labkit.ranks import RanksError
 
 pytestmark = pytest.mark.launches  # every test here starts, or runs on, processes that import torch
@@ -47,13 +47,7 @@ kept = 100 + rank
 GOOD = "build(4); step(); check_step(full, [stage], x, y, losses, 4, mse).ok"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    """The suite's warm 2-rank pool (conftest.live_ranks), this module's names set up and cleaned after."""
-    p = live_ranks(2)
-    p.exec(SETUP)
-    yield p
-    clean_namespace(p)
+pool = module_pool(2, SETUP)  # the suite's warm 2-rank pool (conftest.live_ranks), set up, cleaned after
 
 
 def _mistake(pool, code: str, timeout: float = 60) -> tuple[str, float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import clean_namespace, live_ranks
+from conftest import module_pool
 from labkit.worker.noise import Figure, canonical, figure, where
 
 SETUP = """
@@ -58,12 +58,7 @@ def step(scale=16.0, bug=False, autocast=None, tracker=False, unused=False, tole
 """
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = live_ranks(2)
-    p.exec(SETUP)
-    yield p
-    clean_namespace(p)
+pool = module_pool(2, SETUP)  # the suite's warm 2-rank pool (conftest.live_ranks), set up, cleaned after
 
 
 def _check(pool, **kw) -> dict:
