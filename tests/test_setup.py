@@ -350,8 +350,8 @@ def test_quick_names_a_test_that_started_a_torch_process_and_fails(monkeypatch, 
     assert "mark them `launches`" in out and "tests/test_x.py::test_unmarked" in out and "left out:" in out
 
 
-@pytest.mark.parametrize("flags, in_turn", [([], False), (["--legs-in-turn"], True), (["--legs-beside"], False)])
-def test_leg_2_runs_beside_leg_1_unless_asked_to_wait(monkeypatch, flags, in_turn):
+@pytest.mark.parametrize("flags, in_turn", [([], True), (["--legs-beside"], False)])
+def test_leg_2_runs_after_leg_1_unless_asked_to_run_beside(monkeypatch, flags, in_turn):
     dev = _dev_module()
     seen = {}
 
