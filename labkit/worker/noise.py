@@ -35,6 +35,7 @@ May import: torch. Used by labkit.worker.reference.check_step."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from dataclasses import asdict, dataclass
 
@@ -93,7 +94,7 @@ def reference_copy(model: nn.Module) -> nn.Module:
     copy would still run the original module, on the original's parameters: a bound method is bound
     to the copy instead; any other callable is dropped, and the class's forward runs (returned in
     `dropped`, so the check can say so)."""
-    copy_ = __import__("copy").deepcopy(model)
+    copy_ = copy.deepcopy(model)
     dropped = []
     for (name, orig), (_, mine) in zip(model.named_modules(), copy_.named_modules()):
         f = mine.__dict__.get("forward")
