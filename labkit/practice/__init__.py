@@ -1,0 +1,19 @@
+"""Pipelining in practice: the helpers notebook 14 (`14_pipelining_in_practice.ipynb`) needs beyond the worker's.
+
+Owns two small concerns, each in its module:
+
+- `loss`: losses normalised by a GLOBAL count of valid tokens (padding, `ignore_index=-100`), the check of
+  such a step against the unsplit model's token mean (`check_token_step`, a thin layer over
+  `labkit.worker.reference.check_step`), and the least-squares weights of an accumulated gradient over
+  per-batch reference gradients (how `scale_grads=True` turns a sum of steps into a moving average);
+- `measure`: what a step costs beside its time: bytes sent between ranks (`SentBytes`), a fresh
+  activation tracker per measured step (`fresh_tracker`), the median of warm step times (`time_steps`).
+
+Runs inside the ranks (live ranks' cells); imports torch and labkit.worker only.
+"""
+
+from .loss import check_token_step, fit_weights, token_loss, token_sum_loss, valid_tokens
+from .measure import SentBytes, fresh_tracker, rank_peak, time_steps
+
+__all__ = ["check_token_step", "fit_weights", "token_loss", "token_sum_loss", "valid_tokens",
+           "SentBytes", "fresh_tracker", "rank_peak", "time_steps"]
