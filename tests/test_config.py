@@ -62,6 +62,26 @@ def test_layer_bounds_cover_all_layers_evenly():
     assert b[0] == 0 and b[-1] == 8 and all(b[i] < b[i + 1] for i in range(3))
 
 
+@pytest.mark.parametrize("kw, message", [
+    ({"dtype": "float16"}, "--dtype float32 .the default., bfloat16 or float64"),
+    ({"autocast": "float16"}, "--autocast bfloat16"),
+    ({"autocast": "bfloat16", "dtype": "float64"}, "needs --dtype float32"),
+    ({"tolerance": 0}, "leave it out to judge the step against its measured float noise"),
+])
+def test_bad_dtypes_are_refused_with_a_fix(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**kw)
+
+
+def test_dtype_flags_make_the_config():
+    from labkit.cli import build_parser, config_from_flags
+
+    run_parser = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    a = run_parser.parse_args(["--autocast", "bfloat16"])
+    assert config_from_flags(a) == RunConfig(autocast="bfloat16") and RunConfig().tolerance is None
+    assert config_from_flags(run_parser.parse_args(["--dtype", "float64"])).dtype == "float64"
+
+
 def test_config_json_round_trip(tmp_path):
     """The job reads its RunConfig back from the run directory's config.json: nothing is lost on the way."""
     cfg = RunConfig(schedule="ZBVZeroBubble", pp_size=2, n_microbatches=8, split="tracer", steps=2,

@@ -27,6 +27,7 @@ from ..worker import distributed as worker
 from ..core.errors import ConfigError
 from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
+from ..worker.noise import autocast_ctx
 from ..worker.reference import check_step, stage_grads
 
 
@@ -111,7 +112,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
             for args, model_kwargs, target in todo:  # one schedule step per accumulated chunk
                 mine: list = []  # step() clears the list it is given: one per chunk
                 kwargs = {"target": target, "losses": mine} if (has_last and not cfg.inference) else {}
-                out = schedule.step(*args, **model_kwargs, **kwargs)
+                with autocast_ctx(d.device, getattr(torch, cfg.autocast) if cfg.autocast else None):
+                    out = schedule.step(*args, **model_kwargs, **kwargs)
                 losses += mine
             if after_backward is not None and not cfg.inference:
                 after_backward(stages)
@@ -233,6 +235,9 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
 
     model = model_adapter(cfg)  # the tutorial Transformer, or a transformers model (labkit.models)
     full = model.build_full()  # same weights on every rank (seeded), kept on CPU as the reference
+    if cfg.dtype != "float32":  # --dtype: the stages are cut from it, so they hold this dtype too
+        full = full.to(getattr(torch, cfg.dtype))
+    autocast = getattr(torch, cfg.autocast) if cfg.autocast else None
     bounds, balance = cfg.layer_bounds() if not cfg.auto_split else None, None
     if cfg.auto_split:  # --split-points auto: measure each block here, on every rank (same answer)
         from ..models.balance import balance_config
@@ -243,9 +248,10 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     if cfg.composed:  # a (pp, dp, tp) mesh: this rank's stage index is its pp coordinate (labkit.parallel)
         from ..parallel import compose
         par = compose.build_mesh(cfg, d.device)
-    stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
-                             model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
-                                                **({"par": par} if cfg.model_name != "tutorial" else {})))
+    with autocast_ctx(d.device, autocast):  # --autocast: the tracer records the casts the steps will run
+        stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
+                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
+                                                    **({"par": par} if cfg.model_name != "tutorial" else {})))
     if par is not None:
         compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
     if cfg.resume:  # into this shape's stages (resharded on load), and the reference from the same files
@@ -299,7 +305,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     check = check_step(full, stages, x, y, losses, n_mb, loss_fn, grads=grads,
                        output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
                        device=d.device, kwargs=model_kwargs, tied=model.tied_aliases,
-                       renamed=model.renamed, group=group, clip_grad_norm=cfg.clip_grad_norm)
+                       renamed=model.renamed, group=group, clip_grad_norm=cfg.clip_grad_norm, autocast=autocast)
     if par is not None:  # every pipeline's verdict must hold
         check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
     memory = None
@@ -319,6 +325,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
             stage_placement=[cfg.stages_of_rank(r) for r in range(cfg.pp_size)],
             split=cfg.split, stage_builder=stage_builder, inference=cfg.inference,
             layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size, model=cfg.model_name,
+            dtype=cfg.dtype, autocast=cfg.autocast,
             layer_bounds=bounds, balance=balance,
             step_losses=[] if cfg.inference else step_losses,
             peak_memory_bytes=[int(r[0]) for r in check.extras],
@@ -352,8 +359,10 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
             result["step_spans"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
         worker.write_result(out_dir, d, check, **result)
         mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if par is not None else ""
+        how = "" if cfg.dtype == "float32" and not cfg.autocast else \
+            f" ({cfg.dtype}{', autocast ' + cfg.autocast if cfg.autocast else ''})"
         print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks{mesh}, {cfg.n_stages} stages, {cfg.n_microbatches} "
-              f"microbatches: pipelined step {check.verdict()}", flush=True)
+              f"microbatches{how}: pipelined step {check.verdict()}", flush=True)
     return 0 if check.ok else 3
 
 

@@ -20,12 +20,15 @@ max|P - R| <= NOISE_MULTIPLE * floor.
 
 NOISE_MULTIPLE = 2, measured on this suite's correct runs (torch 2.15, CPU): every schedule x split
 of the tutorial model, GPT-2, BERT and Llama stages, FSDP2, replicated data parallelism,
-accumulation and a resumed checkpoint with clipping read at most 0.8 of their floor; tensor
-parallelism is not modelled yet: Llama's TP read 1.8, the tutorial model's TP 6e4 (its MLP biases'
-gradients cancel, and TP's split sums round the large terms differently): keep an absolute
-tolerance there (RunConfig's 1e-3). Bugs: a bias entering at 99% reads 1.8e4 in float32 and 3.5 in
-bf16 (tests/test_noise.py); the tutorial's layout 2e6; torch's default scale_grads under
-accumulation 1.4e6. bf16 resolves about 0.4%: a bug much below 1% can hide in its noise.
+accumulation and a resumed checkpoint with clipping read at most 0.8 of their floor; `labkit run` on
+every schedule x split under `--autocast bfloat16` 1.13, `--dtype bfloat16` 0.62 and `--dtype float64`
+1.31 (tests/test_reference_runs.py). Tensor parallelism is not modelled: its split sums put a
+pre-activation within rounding of 0 on the other side of a ReLU, a jump no reordering of the
+reference's own sums makes (the tutorial model's TP read 1e5 of its floor, Llama's 1.8; in float64
+TP agrees to 1e-12): TP keeps an absolute tolerance (RunConfig's 1e-3). Bugs: a bias entering at 99%
+reads 1.8e4 in float32 and 3.5 in bf16 (tests/test_noise.py); the tutorial's layout 2e6; torch's
+default scale_grads under accumulation 1.4e6. bf16 resolves about 0.4%: a bug much below 1% can
+hide in its noise.
 
 Where it went wrong (`where`): which microbatches' losses are outside, which stages' gradients, the
 largest ratios by the unsplit model's names, and what that pattern points to.
@@ -60,6 +63,8 @@ class Figure:
     scale: float              # max |reference|
     ratio: float              # err / floor
     fit: float = 1.0          # <P, R> / <R, R>: the factor P is R scaled by (1 when equal)
+    reorder: float = 0.0      # max |microbatched - reference|: the reference against itself in a pipeline's order
+    own: float | None = None  # max |reference - float64 truth|: the reference's own rounding (None: no truth)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -78,14 +83,15 @@ def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tens
     passed as Python floats)."""
     p, r, c = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref, probe))
     scale = float(r.abs().max()) if r.numel() else 0.0
-    noise = float((c - r).abs().max()) if r.numel() else 0.0
-    if truth is not None and r.numel():  # the reference's own error: a floor no cut of the batch can fake
-        noise = min(noise, float((truth.detach().to(ref.device, torch.float64) - r).abs().max()))
+    reorder = float((c - r).abs().max()) if r.numel() else 0.0
+    own = float((truth.detach().to(ref.device, torch.float64) - r).abs().max()) \
+        if truth is not None and r.numel() else None
+    noise = reorder if own is None else min(reorder, own)  # the reference's own error: no cut of the batch fakes it
     floor = max(noise + MIN_FLOOR_ULPS * terms * eps_of(dtype or ref.dtype) * scale, torch.finfo(torch.float64).tiny)
     err = float((p - r).abs().max()) if r.numel() else 0.0
     rr = float((r * r).sum())
     fit = float((p * r).sum()) / rr if rr > 0 else 1.0
-    return Figure(kind, name, stage, err, floor, scale, err / floor, fit)
+    return Figure(kind, name, stage, err, floor, scale, err / floor, fit, reorder, own)
 
 
 def reference_copy(model: nn.Module) -> nn.Module:
@@ -110,9 +116,17 @@ def reference_copy(model: nn.Module) -> nn.Module:
 
 
 def autocast_ctx(device, autocast: torch.dtype | None):
+    """torch.autocast for the check's references and the kit's own steps, its cast cache off.
+
+    The cache keeps one bf16 copy of each tensor that is a leaf and requires grad, shared by all its
+    uses. In the unsplit model that is the weights (each used once per forward: no effect). In a
+    pipeline a stage's received activation is such a leaf too: its uses (attention's query, key and
+    value) then share one copy, their gradients are summed in bf16 and the gradient sent back is
+    rounded once more than the unsplit model's (measured: the tutorial model's stage 0 gradients at
+    5e3x their floor under GPipe). Off, every schedule x split reads at most 1.2x (tests)."""
     if autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=autocast)
+    return torch.autocast(torch.device(device).type, dtype=autocast, cache_enabled=False)
 
 
 def chunk_kwargs(kwargs: dict, size: int, n: int, dim: int) -> list[dict]:
@@ -133,8 +147,9 @@ def canonical(name: str) -> str:
     return name
 
 
-def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
-    """What diverges and what that points to, from every rank's figures (the same on every rank)."""
+def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: torch.dtype | None = None) -> str:
+    """What diverges and what that points to, from every rank's figures (the same on every rank).
+    `autocast`: the step ran under it (a hint about autocast's cast cache, `autocast_ctx`)."""
     bad = [f for f in figures if f.ratio > multiple]
     if not bad:
         return ""
@@ -168,6 +183,12 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
         else:
             lines.append(f"gradients of stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} differ; "
                          f"largest: {worst}")
+        last = max((f.stage for f in figures if f.stage is not None), default=None)
+        if autocast is not None and not losses and stages and last not in stages:
+            lines.append("under autocast, gradients of stages before the last alone: if the step ran inside "
+                         "torch.autocast with its cast cache on (the default), a stage's received activation is "
+                         "cast once and its uses' gradients summed in bf16; run the step under "
+                         "torch.autocast(..., cache_enabled=False), as the check's reference does, to compare")
     return "; ".join(lines)
 
 

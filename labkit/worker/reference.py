@@ -202,7 +202,7 @@ def stage_names(stage, prefix_stage_index: bool = False):
 
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
-               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float | None = 1e-4,
+               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float | None = None,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
                tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
                clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> Check:
@@ -228,10 +228,12 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     must hold the whole tied gradient (notebook 11); renamed: {name on a stage: the unsplit model's
     name} for a tied parameter that a stage holds once under its other name (a traced BERT);
     clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were;
-    tolerance: an absolute bound on every difference (default 1e-4); None: each compared tensor is
-    judged against the float noise measured for this model and data (labkit.worker.noise: within
-    NOISE_MULTIPLE times its floor), which tells a bug from rounding in float32 and bf16 alike;
-    autocast: the dtype the step ran under torch.autocast with: the references run under it too.
+    tolerance: None (the default): each compared tensor is judged against the float noise measured
+    for this model and data (labkit.worker.noise: within NOISE_MULTIPLE = 2 times its floor), which
+    tells a bug from rounding in float32 and bf16 alike; a number: an absolute bound on every
+    difference instead (e.g. 1e-3 for tensor parallelism, whose split sums the floor does not model);
+    autocast: the dtype the step ran under torch.autocast with: the references run under it too (cast
+    cache off: run the step as `labkit.worker.noise.autocast_ctx` does, or read the failure's hint).
     The returned Check carries every compared tensor's figures (error, floor, ratio), and a failure
     says where the step went wrong (which losses, stages and parameters) in either mode.
     Every rank gets the same verdict. A call that cannot be compared (the microbatch count against the
@@ -308,7 +310,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
              f"by the reference's copy; the class's forward was"] if dropped else []
     return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, tolerance,
-                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures), no_grad, notes)
+                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=autocast),
+                 no_grad, notes)
 
 
 def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Reference | None, prefix_stage_index, tied,

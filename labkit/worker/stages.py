@@ -47,7 +47,7 @@ def stage_input_example(cfg: RunConfig, stage: int, device) -> torch.Tensor:
     act_shape = (p.seq_len, mb, p.dim) if cfg.layout == "batch" else (mb, p.seq_len, p.dim)
     if stage == 0:
         return torch.zeros(tokens_shape, dtype=torch.long, device=device)
-    return torch.zeros(act_shape, dtype=torch.float32, device=device)
+    return torch.zeros(act_shape, dtype=getattr(torch, cfg.dtype), device=device)  # --dtype (autocast: below)
 
 
 def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None):
