@@ -339,9 +339,62 @@ def test_magics_run_cells_show_status_stop_and_start_a_pool(pool, capsys, monkey
     out = capsys.readouterr().out
     assert r.success and "No pool was running: started one with 2 ranks" in out and "[rank1] Out: 1" in out
     new = labkit.ranks.pool.current()
+    with labkit.Ranks(nproc=1, device="cpu", runs_root=tmp_path) as own:  # notebook 05's pool of its own
+        assert own.exec("rank") == {0: 0}
+    assert labkit.ranks.pool.current() is new  # the magic's pool again, not "No pool is running"
     pids = {new.agent_pid, *new.pids()}
     ip.run_line_magic("ranks", "stop")
+    assert "Stopped the pool (2 ranks)" in capsys.readouterr().out
     assert not _gone(pids, 0.5)
+
+
+class _FakeJob:
+    """A Job that starts nothing: the pool's bookkeeping (which pool is current) without torchrun."""
+
+    def __init__(self, *args):
+        self.running = False
+
+    def start(self, timeout):
+        self.running = True
+
+    def stop(self):
+        self.running = False
+
+
+def test_the_magic_finds_its_pool_after_a_pool_of_your_own_closes(monkeypatch, tmp_path, capsys):
+    """Notebook 05: `%ranks start`, then `with labkit.Ranks(nproc=4) as four:` (issue 42): closing
+    `four` once left the magic with no pool, and `%ranks stop` said "No pool is running" while the
+    magic's ranks were alive. The pool started before is current again; `stop()` is `close()`."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import labkit.launching.clean
+    from labkit.ranks import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_POOLS", {})  # not the module's live pool
+    monkeypatch.setattr(pool_mod, "Job", _FakeJob)
+    monkeypatch.setattr(pool_mod, "preflight_device", lambda device, nproc: None)
+    monkeypatch.setattr(labkit.launching.clean, "clean", lambda all_jobs=False: [])
+    monkeypatch.setattr(channel, "sweep_stale", lambda: [])
+    monkeypatch.setenv("LABKIT_RUNS", str(tmp_path))
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "labkit")
+    ip.run_line_magic("ranks", "start --nproc 2 --device cpu")
+    mine = pool_mod.current()
+    assert mine is not None and mine.nproc == 2
+    with labkit.Ranks(nproc=4, device="cpu", runs_root=tmp_path) as four:
+        assert pool_mod.current() is four  # the open pool started last
+    assert four.closed and pool_mod.current() is mine
+    other = labkit.Ranks(nproc=1, device="cpu", runs_root=tmp_path)
+    mine.restart()  # a restart makes it the one started last again
+    assert pool_mod.current() is mine
+    other.stop()
+    assert other.closed and not mine.closed and pool_mod.current() is mine
+    capsys.readouterr()
+    ip.run_line_magic("ranks", "stop")
+    assert "Stopped the pool (2 ranks)" in capsys.readouterr().out
+    assert mine.closed and pool_mod.current() is None
+    ip.run_line_magic("ranks", "stop")
+    assert "No pool is running: nothing to stop" in capsys.readouterr().out
 
 
 KERNEL = """

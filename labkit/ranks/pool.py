@@ -50,13 +50,15 @@ INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long the ranks get to stop
 STACKS_WAIT_S = 1.5
 DEVICES = ("auto", "cpu", "cuda")
 
-_POOLS: set = set()  # every open pool, closed at exit
-_current = None      # the pool %%ranks uses: the one started last
+_POOLS: dict = {}  # every open pool in the order it (re)started: an ordered set, closed at exit
 
 
 def current():
-    """The pool `%%ranks` runs cells on (the one started last), or None."""
-    return _current if _current is not None and not _current.closed else None
+    """The pool `%%ranks` runs cells on, or None: the open pool started (or restarted) last.
+
+    Closing it hands the magic back the pool that was current before: a `with labkit.Ranks(...)`
+    block in the middle of a notebook leaves `%%ranks` and `%ranks stop` on the magic's own pool."""
+    return next((p for p in reversed(list(_POOLS)) if not p.closed), None)
 
 
 class Ranks(CellReadings):
@@ -94,7 +96,6 @@ class Ranks(CellReadings):
     # ---- life cycle
 
     def _start(self) -> None:
-        global _current
         if self.restarts == -1:
             from ..launching.clean import clean, describe
 
@@ -119,18 +120,20 @@ class Ranks(CellReadings):
             job.stop()
             raise
         self._job, self.closed = job, False
-        _POOLS.add(self)
-        _current = self
+        _POOLS.pop(self, None)
+        _POOLS[self] = None  # last in the order: the current pool
 
     def close(self) -> None:
-        """End every rank and the torchrun agent; nothing is left running. Safe to call twice."""
-        global _current
+        """End every rank and the torchrun agent; nothing is left running. Safe to call twice.
+        `stop()` is the same call (the word of `%ranks stop`)."""
         job, self._job, self.closed = self._job, None, True
         if job is not None:
             job.stop()
-        _POOLS.discard(self)
-        if _current is self:
-            _current = None
+        _POOLS.pop(self, None)  # the pool started before it is current again
+
+    def stop(self) -> None:
+        """The same as `close()`: end every rank and the torchrun agent (`%ranks stop` from Python)."""
+        self.close()
 
     def restart(self) -> None:
         """A fresh process group and fresh namespaces (same run directory; cell numbers go on)."""
