@@ -45,6 +45,18 @@ def test_a_negative_intercept_is_refitted_through_the_origin():
     assert fit.fixed["F"] == 0.0 and fit.batch["F"] > 0 and fit.residual["F"] > 0.1
 
 
+def test_durations_that_do_not_fall_with_m_find_no_batch_share_and_say_so():
+    # notebook 05 on a busy machine: B's medians did not get shorter with m (waits for a core inside
+    # each action); the constrained least squares gives a = 0, c = their mean, and text() says it in
+    # words rather than "B: 0.00 ms for the whole batch"
+    durations = {1: {"F": [0.010], "B": [0.004]}, 2: {"F": [0.006], "B": [0.006]}, 4: {"F": [0.004], "B": [0.005]}}
+    fit = fit_microbatch_costs(durations)
+    assert fit.batch["B"] == 0.0 and fit.fixed["B"] == pytest.approx(0.005) and fit.batch["F"] > 0
+    text = fit.text()
+    assert "B: no share of the batch found" in text and "5.00 ms per action" in text
+    assert "B: 0.00 ms" not in text and "F: " in text and "for the whole batch" in text
+
+
 def test_plot_step_times_draws_the_measured_spread_and_both_ideals():
     import matplotlib
 

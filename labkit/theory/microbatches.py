@@ -51,8 +51,12 @@ class MicrobatchFit:
         return Cost(**{k: v for k, v in d.items() if k in ("F", "B", "I", "W")}, unit="s")
 
     def text(self) -> str:
+        """One line of the fit. A kind whose batch share is 0 did not get faster with more microbatches
+        (the least-squares slope was negative and a >= 0 holds it at 0): said in words, not as 0.00 ms."""
         ms = lambda v: f"{1000 * v:.2f} ms"  # noqa: E731
-        parts = [f"{k}: {ms(self.batch[k])} for the whole batch, + {ms(self.fixed[k])} per action"
+        parts = [f"{k}: {ms(self.batch[k])} for the whole batch, + {ms(self.fixed[k])} per action" if self.batch[k] > 0
+                 else (f"{k}: no share of the batch found (its actions did not get shorter as m grew: on a busy "
+                       f"machine their waits for a core can outweigh their work), {ms(self.fixed[k])} per action")
                  for k in self.batch]
         return (f"fitted on m = {', '.join(map(str, self.ms))}: " + "; ".join(parts)
                 + f"; between actions {ms(self.gap)} per action (no wait); per-action cost "
@@ -69,7 +73,9 @@ def action_durations(timelines) -> dict[str, list[float]]:
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares y = a x + c; a and c kept >= 0 (a duration has no negative part)."""
+    """Least squares y = a x + c with a, c >= 0 (a duration has no negative part). The constrained
+    optimum lies on a bound when the free one is outside: a negative slope gives a = 0, c = mean(y);
+    a negative intercept gives the line through the origin."""
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
