@@ -43,7 +43,22 @@ class IdleReport:
     cores: int | None = None
     ranks_per_machine: int | None = None
     causes: tuple = CAUSES
-    """The causes this report splits idle time into (spans add "instrument overhead": `labkit.spans.idle`)."""
+    """The causes this report splits idle time into (spans add "instrument overhead", and with CPU clocks
+    "descheduled: the machine was busy": `labkit.spans.idle`)."""
+    descheduled_in_actions: dict[int, float] = field(default_factory=dict)
+    """Per rank, wall seconds inside its compute actions that its thread did not run (spans with CPU
+    clocks): not idle time, the actions ran slower."""
+    load: dict[int, dict] = field(default_factory=dict)
+    """Per rank, the machine's load at its steps' ends: load1, runnable, cores, the rank's CPU share."""
+
+    def descheduled(self, rank: int | None = None) -> float:
+        """Share of the step a rank (or the mean rank) was descheduled: between actions and inside them."""
+        ranks = [rank] if rank is not None else sorted(self.descheduled_in_actions)
+        if not ranks or self.makespan <= 0:
+            return 0.0
+        cause = "descheduled: the machine was busy"
+        return sum(self.idle[r].get(cause, 0.0) + self.descheduled_in_actions.get(r, 0.0)
+                   for r in ranks) / (len(ranks) * self.makespan)
 
     def share(self, rank: int, cause: str | None = None) -> float:
         """Idle share of the makespan for `rank` (one cause, or all)."""
@@ -57,11 +72,22 @@ class IdleReport:
             return 0.0
         return sum(self.share(r, cause) for r in self.idle) / len(self.idle)
 
+    def _load_text(self) -> str:
+        """The machine's load at the step's end, as the ranks recorded it (one line's tail)."""
+        loads = [v for v in self.load.values() if v]
+        if not loads:
+            return ""
+        share = [v["share"] for v in loads if v.get("share") is not None]
+        return (f"; at the step's end: load average {max(v['load1'] for v in loads):.2f}, {max(v['runnable'] for v in loads)} "
+                f"runnable on {loads[0]['cores']} cores" + (f", each rank ran {min(share):.0%}-{max(share):.0%} of its step"
+                                                            if share else ""))
+
     def text(self) -> str:
         measured = " (measured from spans)" if self.source == "spans" else ""
         lines = [f"idle {self.total():.1%} of ranks x makespan{measured}; per cause, share of the step:"]
+        w = max(24, *(len(c) for c in self.causes))
         for cause in self.causes:
-            lines.append(f"  {cause:24s} {self.total(cause):6.1%}   per rank: "
+            lines.append(f"  {cause:{w}s} {self.total(cause):6.1%}   per rank: "
                          + ", ".join(f"{r}: {self.share(r, cause):.1%}" for r in sorted(self.idle)))
         overhead = sum(c["runtime overhead"] for c in self.idle.values())
         n_gaps = sum(self.gaps.values())
@@ -71,6 +97,13 @@ class IdleReport:
             if "instrument overhead" in self.causes:  # spans: the kit's wrappers, measured apart from the runtime
                 own = sum(c["instrument overhead"] for c in self.idle.values())
                 lines.append(f"  instrument overhead (the kit's own wrappers): {1000 * own / n_gaps:.3f} ms per gap")
+        if self.descheduled_in_actions:
+            lines.append(f"  {'descheduled inside actions':{w}s} "
+                         f"{sum(self.descheduled_in_actions.values()) / (len(self.idle) * self.makespan):6.1%}   per rank: "
+                         + ", ".join(f"{r}: {v / self.makespan:.1%}" for r, v in sorted(self.descheduled_in_actions.items()))
+                         + "  (not idle: the actions ran slower)")
+            lines.append(f"  the machine was busy for {self.descheduled():.1%} of the step (between and inside actions)"
+                         + self._load_text())
         if self.cores is not None and self.ranks_per_machine is not None and self.ranks_per_machine > self.cores:
             lines.append(f"  {self.ranks_per_machine} ranks shared {self.cores} cores: part of every cause above is "
                          f"waiting for a core")

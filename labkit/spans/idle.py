@@ -13,9 +13,16 @@ here from measurements:
   torch's call, measured by the wrapper itself on entry and exit, where it falls in a gap between two
   actions (before a rank's first action and after its last, the step's bookkeeping is fill / drain:
   the rank has nothing of its own to run then; `instrument_overhead` of the timeline counts it all);
+- **descheduled: the machine was busy** (spans with scheduler clocks, `labkit.spans.record`): time
+  between two actions that the rank's thread was runnable but had no CPU (Linux's run-queue clock;
+  a sleep or a blocking wait is not counted), taken out of the cause it would otherwise inflate: a
+  wait's tail after its data came, a send's or receive's post, the runtime's Python between them;
 - **runtime overhead**: the rest: time between two actions that is neither a wait nor a transfer
-  (the schedule's Python, the loss on the last stage, bookkeeping, and on a machine with fewer cores
-  than ranks, waiting for a core).
+  (the schedule's Python, the loss on the last stage, bookkeeping; without CPU clocks, on a machine
+  with fewer cores than ranks, waiting for a core too).
+
+Descheduled time inside actions is not idle time (the action is running, slowly): the report carries
+it apart, per rank (`descheduled_in_actions`), with the machine's load at each step's end (`load`).
 
 The causes add up to the spans' idle time exactly (the bubble). Taught in notebook 06b.
 """
@@ -28,28 +35,32 @@ from ..logs.gaps import CAUSES, IdleReport, _covered
 from ..core.timeline import COMPUTE_KINDS
 from .read import Span, read_spans, recorded_pipelines, select_step
 
-__all__ = ["SPAN_CAUSES", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
+__all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
 
 COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
 INSTRUMENT = "instrument overhead"
+DESCHEDULED = "descheduled: the machine was busy"
 SPAN_CAUSES = (*CAUSES[:-1], INSTRUMENT, CAUSES[-1])  # the kit's own before the runtime's (the rest)
+CPU_CAUSES = (*CAUSES[:-1], INSTRUMENT, DESCHEDULED, CAUSES[-1])  # spans with CPU clocks
 
 
 def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | None = None,
-                       ranks_per_machine: int | None = None, ranks=None) -> IdleReport:
+                       ranks_per_machine: int | None = None, ranks=None, meta: dict | None = None) -> IdleReport:
     """Every rank's idle time in one step (`which`: last by default), by cause, with each gap listed
     (`report.gap_list[rank]`: start, end and seconds per cause, times from the step's start).
-    `ranks`: only these ranks (one pipeline of several: `explain_idle_by_pipeline`)."""
+    `ranks`: only these ranks (one pipeline of several: `explain_idle_by_pipeline`); `meta`: the spans
+    files' meta (`read_spans`; read with them from a path), where the machine's load at each step's end is."""
     if isinstance(spans_or_path, list):
-        spans = spans_or_path
+        spans, meta = spans_or_path, meta or {}
     else:
-        spans, _ = read_spans(spans_or_path)
+        spans, meta = read_spans(spans_or_path)
     spans = select_step(spans, which)
     if ranks is not None:
         spans = [s for s in spans if s.rank in set(ranks)]
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
+    clocked = bool(comp) and all(s.rq for s in comp)  # scheduler clocks: run-queue time known
     report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans",
-                        causes=SPAN_CAUSES)
+                        causes=CPU_CAUSES if clocked else SPAN_CAUSES)
     if not comp:
         return report
     start, end = min(s.start for s in comp), max(s.end for s in comp)
@@ -60,28 +71,58 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
         comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in COLLECTIVE_KINDS or
                                                                          (s.kind == "WAIT" and s.what not in ("recv", "both")))]
         kit = [piece for s in spans if s.rank == rank for piece in s.own()]
-        causes = dict.fromkeys(SPAN_CAUSES, 0.0)
+        causes = dict.fromkeys(report.causes, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))
         gaps = []
-        busy_until = mine[0].end
+        busy_until, rq_until = mine[0].end, (mine[0].rq[1] if clocked else 0.0)
         for s in mine[1:]:
             g0, g1 = busy_until, s.start
-            busy_until = max(busy_until, s.end)
+            queued = (s.rq[0] - rq_until) if clocked else 0.0  # seconds in the gap runnable without a CPU
+            if s.end > busy_until:
+                busy_until, rq_until = s.end, (s.rq[1] if clocked else 0.0)
             if g1 <= g0:
                 continue
             wait = _covered(waits, g0, g1)
             in_comm = _covered(comm, g0, g1) - _overlap(waits, comm, g0, g1)
             own = _covered(waits + comm + kit, g0, g1) - (wait + in_comm)  # none of it inside a wait or a post
+            rest = (g1 - g0) - wait - in_comm - own
             gap = {"start": g0 - start, "end": g1 - start, "before": f"{s.stage}{s.kind}{s.mb}",
-                   "waiting for a neighbour": wait, "sends and receives": in_comm, INSTRUMENT: own,
-                   "runtime overhead": (g1 - g0) - wait - in_comm - own}
+                   "waiting for a neighbour": wait, "sends and receives": in_comm, INSTRUMENT: own}
+            if clocked:  # the run-queue time, out of the cause it would otherwise inflate
+                posts = [x for x in spans if x.rank == rank and x.kind not in COMPUTE_KINDS and g0 <= x.start
+                         and x.end <= g1 and x.queued]
+                recv = lambda x: x.kind == "WAIT" and x.what in ("recv", "both")  # noqa: E731
+                inside = {"waiting for a neighbour": sum(x.queued for x in posts if recv(x)),
+                          "sends and receives": sum(x.queued for x in posts if not recv(x))}
+                away = 0.0
+                for cause, q in inside.items():  # a wait's tail after the data came, a post's: no CPU to run on
+                    moved = min(gap[cause], q)
+                    gap[cause] -= moved
+                    away += moved
+                moved = min(rest, max(0.0, queued - sum(inside.values())))  # between them: the runtime's share
+                gap[DESCHEDULED], rest = away + moved, rest - moved
+            gap["runtime overhead"] = rest
             gaps.append(gap)
-            for cause in SPAN_CAUSES[1:]:
+            for cause in report.causes[1:]:
                 causes[cause] += gap[cause]
         report.idle[rank] = causes
+        if clocked:
+            report.descheduled_in_actions[rank] = sum(s.queued for s in mine)
+            report.load[rank] = _load_of(rank, spans, meta)
         report.gaps[rank] = len(gaps)
         report.gap_list[rank] = gaps
     return report
+
+
+def _load_of(rank: int, spans: list[Span], meta: dict) -> dict:
+    """The machine's load the rank recorded at the end of the steps in `spans` (its `end_step` lines)."""
+    rows = meta.get(rank, {}).get("instrument", {})
+    mine = [rows[k] for k in sorted({s.step for s in spans if s.rank == rank}) if k in rows and "cpu" in rows[k]]
+    if not mine:
+        return {}
+    wall = sum(r["wall"] for r in mine)
+    return {"load1": max((r.get("load1") or 0.0) for r in mine), "runnable": max((r.get("runnable") or 0) for r in mine),
+            "cores": mine[0].get("cores"), "share": sum(r["cpu"] for r in mine) / wall if wall > 0 else None}
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -127,6 +168,6 @@ def explain_idle_by_pipeline(spans_or_path, which: str | int = "last", cores: in
     step = select_step(spans, which)
     pipelines = recorded_pipelines(step, meta)
     if not pipelines or len(pipelines) < 2:
-        return explain_idle_spans(step, "all", cores, ranks_per_machine)
-    return IdleByPipeline(pipelines, [explain_idle_spans(step, "all", cores, ranks_per_machine, ranks=p)
+        return explain_idle_spans(step, "all", cores, ranks_per_machine, meta=meta)
+    return IdleByPipeline(pipelines, [explain_idle_spans(step, "all", cores, ranks_per_machine, ranks=p, meta=meta)
                                       for p in pipelines])

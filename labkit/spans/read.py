@@ -18,7 +18,8 @@ from typing import NamedTuple
 from ..core.timeline import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
-__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead", "recorded_pipelines"]
+__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead",
+           "recorded_pipelines", "machine_load", "without_descheduling"]
 
 
 class Span(NamedTuple):
@@ -33,6 +34,18 @@ class Span(NamedTuple):
     pre: float = 0.0   # seconds the kit's wrapper ran before `start` (host clock; 0 when not recorded)
     post: float = 0.0  # ... and after `end`
     kit: tuple = ()    # other pieces of the kit's own code just before this span: ((start, end), ...)
+    cpu: tuple = ()    # the rank thread's CPU clock at both ends (host-clock spans; () when not recorded)
+    rq: tuple = ()     # its run-queue clock at both ends: seconds runnable but waiting for a CPU (Linux)
+
+    @property
+    def ran(self) -> float | None:
+        """CPU seconds the rank's thread ran inside the span (None when not recorded)."""
+        return self.cpu[1] - self.cpu[0] if self.cpu else None
+
+    @property
+    def queued(self) -> float | None:
+        """Seconds inside the span the thread was runnable but had no CPU: the machine was busy."""
+        return self.rq[1] - self.rq[0] if self.rq else None
 
     def own(self) -> list[tuple[float, float]]:
         """The kit's own intervals around this span (`labkit.spans.record`: measured, host clock)."""
@@ -77,7 +90,8 @@ def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
             spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
                               int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", ""),
                               float(row.get("pre", 0.0)), float(row.get("post", 0.0)),
-                              tuple((float(a), float(b)) for a, b in row.get("kit", ()))))
+                              tuple((float(a), float(b)) for a, b in row.get("kit", ())),
+                              tuple(float(c) for c in row.get("cpu", ())), tuple(float(c) for c in row.get("rq", ()))))
     spans.sort(key=lambda s: (s.rank, s.start, s.end))
     return spans, meta
 
@@ -136,6 +150,46 @@ def instrument_overhead(spans: list[Span], meta: dict[int, dict]) -> dict[str, d
     return out
 
 
+def machine_load(spans: list[Span], meta: dict[int, dict]) -> dict[str, dict]:
+    """Per rank (str keys, as in JSON), how busy the machine was in the steps of `spans`: the seconds
+    its thread was runnable but had no CPU inside its compute actions (`descheduled_in_actions_s`) and
+    over its whole steps (`descheduled_in_steps_s`), its steps' wall and CPU seconds and CPU `share`,
+    and at each step's end the load average and the runnable processes on `cores` cores
+    (`labkit.spans.record`). Ranks recorded without scheduler clocks are left out; on CUDA
+    (device-time spans) too: a kernel already queued is not descheduled with its host thread, what
+    the host loses shows as later launches (gaps) instead."""
+    out = {}
+    for rank in sorted({s.rank for s in spans}):
+        comp = [s for s in spans if s.rank == rank and s.kind in COMPUTE_KINDS and s.queued is not None]
+        if not comp:
+            continue
+        rows = meta.get(rank, {}).get("instrument", {})
+        mine = [rows[k] for k in sorted({s.step for s in spans if s.rank == rank}) if k in rows and "cpu" in rows[k]]
+        wall, cpu = sum(r["wall"] for r in mine), sum(r["cpu"] for r in mine)
+        out[str(rank)] = {
+            "descheduled_in_actions_s": round(sum(s.queued for s in comp), 9),
+            "descheduled_in_steps_s": round(sum(r.get("queued", 0.0) for r in mine), 9),
+            "compute_s": round(sum(s.end - s.start for s in comp), 9),
+            "step_s": round(wall, 9), "cpu_s": round(cpu, 9), "share": round(cpu / wall, 4) if wall > 0 else None,
+            "load1": [r.get("load1") for r in mine], "runnable": [r.get("runnable") for r in mine],
+            "cores": next((r.get("cores") for r in mine), None)}
+    return out
+
+
+def _key(rank, stage, kind, mb, start) -> str:
+    return f"{rank}:{stage}:{kind}:{mb}:{start!r}"
+
+
+def without_descheduling(tl: Timeline) -> Timeline:
+    """`tl` with each compute action shortened by the seconds its rank waited for a CPU inside it
+    (spans with scheduler clocks): the costs a fitted ideal reads from it leave out what a busy
+    machine added (`labkit.timeline.compare.fitted_ideal(without_descheduling(tl), shape)`)."""
+    queued = tl.meta.get("queued_s", {})
+    acts = [a._replace(end=a.end - min(a.duration, queued.get(_key(a.rank, a.stage, a.kind, a.microbatch, a.start), 0.0)))
+            if a.kind in COMPUTE_KINDS else a for a in tl.actions]
+    return Timeline(acts, source=tl.source, meta={**tl.meta, "costs_from": "wall time less descheduled time"})
+
+
 def timeline_from_spans(path, which: str | int = "all") -> Timeline:
     """The measured timeline of a run directory, a live-ranks cell directory, or spans files."""
     spans, meta = read_spans(path)
@@ -165,6 +219,13 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
     own = instrument_overhead(spans, meta)
     if own:  # the kit's share of each rank's steps, measured in the rank
         tl.meta["instrument_overhead"] = own
+    load = machine_load(spans, meta)
+    if load:  # how busy the machine was: descheduled time and load, per rank
+        tl.meta["machine_load"] = load
+    queued = {_key(s.rank, s.stage, s.kind, s.mb, s.start): s.queued for s in spans
+              if s.kind in COMPUTE_KINDS and s.queued}
+    if queued:  # each compute action's seconds without a CPU (`without_descheduling`)
+        tl.meta["queued_s"] = queued
     pipelines = recorded_pipelines(spans, meta)
     if pipelines and len(pipelines) > 1:  # several pipelines (pp x dp, pp x dp x tp): Timeline.split_pipelines
         tl.meta["pipelines"] = pipelines

@@ -19,7 +19,12 @@ and schedule a script builds is covered, with no change to the script):
   live-ranks cell's own file).
 
 Clocks: on CPU a span's ends are `time.time()` (one clock for every rank of a machine, the clock
-the PP logs use). On CUDA the ends are CUDA events recorded on the current stream around the action
+the PP logs use), and beside them the rank thread's scheduler clocks (Linux's schedstat, `_cpu`):
+the seconds it ran (`cpu` on each line) and the seconds it was runnable but waited for a CPU (`rq`:
+the machine was busy; a sleep or a blocking wait is neither). The ranks compute on that one thread
+(OMP_NUM_THREADS=1). Each step's `end_step` line adds the machine's load: the 1-minute load
+average, the runnable processes, the cores, and the rank thread's CPU and run-queue seconds in the
+step (`labkit.spans.idle`: the cause "descheduled: the machine was busy"). On CUDA the ends are CUDA events recorded on the current stream around the action
 and read after the step (one synchronize per step); they are placed on the host clock through one
 event recorded right after a synchronize at the step's start: device times, not the host's enqueue
 times. Cost on CPU: two clock reads and one list append per action (bench: at most 1.03x per step).
@@ -51,6 +56,30 @@ from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
 from .recorder import Recorder
 _clock = time.time
+_SCHED_FDS: dict[int, int | None] = {}
+
+
+def _cpu() -> tuple:
+    """(CPU seconds this thread ran, seconds it waited for a CPU while runnable), both cumulative:
+    Linux's per-thread scheduler statistics (/proc/self/task/<tid>/schedstat: on-CPU and run-queue
+    nanoseconds, one pread of a file kept open, ~1 us); where there are none, (time.thread_time(), None)."""
+    import threading
+
+    tid = threading.get_native_id()
+    fd = _SCHED_FDS.get(tid, -1)
+    if fd == -1:
+        try:
+            fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = None
+        _SCHED_FDS[tid] = fd
+    if fd is not None:
+        try:
+            ran, queued = os.pread(fd, 64, 0).split()[:2]
+            return int(ran) / 1e9, int(queued) / 1e9
+        except (OSError, ValueError):
+            pass
+    return time.thread_time(), None
 
 
 RECORDER: Recorder | None = None
@@ -142,11 +171,13 @@ def _compute_wrapper(inner, kind_of):
         if rec.pipeline is None:
             rec.pipeline = _pipeline_of(self)
         start = rec.now()
+        c0 = _cpu()
         t_call = start if start.__class__ is float else _clock()
         out = inner(self, chunk_id, *args, **kwargs)
         t_back = _clock() if t_call is not start else None
+        c1 = _cpu()
         end = rec.now()
-        row = rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, end)
+        row = rec.add(kind_of(args, kwargs), self.stage_index, chunk_id, start, end, cpu=(c0, c1))
         rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 
@@ -187,11 +218,13 @@ def _op_wrapper(inner, kind: str, applies, stage_of):
             rec.own(None, t_in, t_call, t_back, _clock())
             return out
         start = rec.now()
+        c0 = _cpu()
         t_call = start if start.__class__ is float else _clock()
         out = inner(self, *args, **kwargs)
         t_back = _clock() if t_call is not start else None
+        c1 = _cpu()
         end = rec.now()
-        row = rec.add(kind, stage_of(self), -1, start, end)
+        row = rec.add(kind, stage_of(self), -1, start, end, cpu=(c0, c1))
         rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 
@@ -221,9 +254,11 @@ def _post_wrapper(inner):
         rec.p2p_depth += 1
         try:
             start = rec.now()
+            c0 = _cpu()
             t_call = start if start.__class__ is float else _clock()
             works = inner(p2p_ops, *args, **kwargs)
             t_back = _clock() if t_call is not start else None
+            c1 = _cpu()
             end = rec.now()
         finally:
             rec.p2p_depth -= 1
@@ -232,7 +267,7 @@ def _post_wrapper(inner):
             what = _direction(p2p_ops)
             for w in works or []:
                 rec.tags[id(w)] = what
-            row = rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what)
+            row = rec.add("RECV" if what == "recv" else "SEND", -1, -1, start, end, what, cpu=(c0, c1))
         rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return works
 
@@ -255,11 +290,13 @@ def _wait_wrapper(inner):
         what = "both" if "both" in tags or {"send", "recv"} <= tags else ("recv" if "recv" in tags else
                                                                           ("send" if "send" in tags else "?"))
         start = rec.now()
+        c0 = _cpu()
         t_call = start if start.__class__ is float else _clock()
         out = inner(works, *args, **kwargs)
         t_back = _clock() if t_call is not start else None
+        c1 = _cpu()
         end = rec.now()
-        row = rec.add("WAIT", -1, -1, start, end, what)
+        row = rec.add("WAIT", -1, -1, start, end, what, cpu=(c0, c1))
         rec.own(row, t_in, t_call, end if t_back is None else t_back, _clock())
         return out
 

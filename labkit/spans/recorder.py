@@ -20,6 +20,29 @@ COMPUTE = ("F", "B", "I", "W")
 _clock = time.time
 
 
+def machine_load(at_start: tuple) -> dict:
+    """What the machine was doing at a step's end, for its `end_step` line: the 1-minute load average,
+    the processes runnable right now (/proc/loadavg, Linux), the cores, and the rank thread's CPU
+    seconds in the step (its own share: cpu / wall) and seconds it waited for a CPU (`queued`), from
+    its clocks `at_start` of the step (`labkit.spans.record._cpu`)."""
+    from .record import _cpu
+
+    now = _cpu()
+    out = {"cpu": round(now[0] - at_start[0], 9), "cores": os.cpu_count()}
+    if now[1] is not None and at_start[1] is not None:
+        out["queued"] = round(now[1] - at_start[1], 9)
+    try:
+        out["load1"] = round(os.getloadavg()[0], 3)
+    except (AttributeError, OSError):  # pragma: no cover (not on Windows)
+        pass
+    try:
+        with open("/proc/loadavg") as f:
+            out["runnable"] = int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):  # pragma: no cover (not Linux)
+        pass
+    return out
+
+
 class Recorder:
     """The spans of one process. `path`: the file a step's spans go to (None: kept until one is set)."""
 
@@ -40,6 +63,7 @@ class Recorder:
         self.calls = 0                 # wrapped calls this step
         self.loose: list[list[float]] = []  # host intervals of the kit's code in calls without a span
         self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
+        self.step_cpu: tuple = (time.thread_time(), None)  # the rank thread's clocks at the step's start (record._cpu)
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -66,8 +90,9 @@ class Recorder:
             return ev
         return _clock()
 
-    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "") -> list:
-        row = [kind, stage, mb, start, end, what, 0.0, 0.0, ()]  # + the kit's own: pre, post, loose pieces
+    def add(self, kind: str, stage: int, mb: int, start, end, what: str = "", cpu: tuple = ()) -> list:
+        """`cpu`: the rank thread's CPU clock at the span's two ends (host-clock spans only)."""
+        row = [kind, stage, mb, start, end, what, 0.0, 0.0, (), cpu]  # + the kit's own: pre, post, loose pieces
         if self.loose:
             row[8], self.loose = self.loose, []
         self.buf.append(row)
@@ -88,6 +113,10 @@ class Recorder:
     # ---- steps
     def begin_step(self, schedule: str = "") -> None:
         self.depth += 1
+        if self.depth == 1:
+            from .record import _cpu
+
+            self.step_cpu = _cpu()
         if self.depth == 1 and schedule:
             self.schedule = schedule
         if self.depth == 1 and self._on_cuda():
@@ -127,7 +156,7 @@ class Recorder:
             if pipeline:  # which ranks form this rank's pipeline (labkit.core.timeline.group_pipelines)
                 begin["pipeline"] = pipeline
             f.write(json.dumps(begin) + "\n")
-            for kind, stage, mb, s, e, what, pre, post, pieces in rows:
+            for kind, stage, mb, s, e, what, pre, post, pieces, cpu in rows:
                 row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
                        "start": round(s, 7), "end": round(e, 7)}
                 if what:
@@ -136,6 +165,10 @@ class Recorder:
                     row["pre"], row["post"] = round(pre, 9), round(post, 9)
                 if host and pieces:
                     row["kit"] = [[round(a, 7), round(b, 7)] for a, b in pieces]
+                if host and cpu:  # ((ran, queued) at the start, at the end): record._cpu
+                    row["cpu"] = [round(cpu[0][0], 7), round(cpu[1][0], 7)]
+                    if cpu[0][1] is not None:
+                        row["rq"] = [round(cpu[0][1], 7), round(cpu[1][1], 7)]
                 f.write(json.dumps(row) + "\n")
             if times is not None:
                 f.flush()  # writing is the kit's too: measured up to the last line
@@ -143,7 +176,8 @@ class Recorder:
                 now = _clock()
                 book = (t_call - t_in) + (now - t_back)
                 f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
-                                    "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls}) + "\n")
+                                    "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls,
+                                    **machine_load(self.step_cpu)}) + "\n")
 
     def _resolve(self, buf: list[list]) -> list[list]:
         if not any(not isinstance(x[3], float) for x in buf):
@@ -153,7 +187,7 @@ class Recorder:
         torch.cuda.synchronize(self.device)
         t0, base = self.cuda if self.cuda is not None else (None, None)
         out = []
-        for kind, stage, mb, s, e, what, *own in buf:
+        for kind, stage, mb, s, e, what, *own in buf:  # own: pre, post, pieces, cpu
             if isinstance(s, float):
                 out.append([kind, stage, mb, s, e, what, *own])
             else:

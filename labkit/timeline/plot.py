@@ -334,3 +334,39 @@ def plot_memory(ax, events: dict, timeline: Timeline, planned: dict[int, int] | 
     artists.append(ax.legend(loc="upper left", bbox_to_anchor=(1.07, 1.0), borderaxespad=0.0, fontsize="small",
                              frameon=False))
     return artists
+
+
+CAUSE_COLOURS = {"fill / drain": "#DDDDDD", "waiting for a neighbour": "#56B4E9", "sends and receives": "#999999",
+                 "instrument overhead": "#F0E442", "descheduled: the machine was busy": "#CC79A7",
+                 "runtime overhead": "#E69F00", "descheduled inside actions": "#882255"}
+
+
+def plot_idle_causes(ax, reports: dict, title: str | None = None) -> list:
+    """One horizontal bar per idle report (`{label: IdleReport}`, e.g. {"idle machine": a, "busy
+    loops": b}): the step's idle share split by cause (`labkit.spans.idle`), then, hatched, the
+    share its ranks were descheduled inside their actions (not idle: the actions ran slower). What a
+    busy machine adds shows as the pink parts (notebook 06b)."""
+    artists, labels = [], list(reports)
+    seen = set()
+    for y, label in enumerate(labels):
+        rep, left = reports[label], 0.0
+        parts = [(c, rep.total(c)) for c in rep.causes]
+        if rep.descheduled_in_actions:
+            parts.append(("descheduled inside actions",
+                          sum(rep.descheduled_in_actions.values()) / (len(rep.idle) * rep.makespan)))
+        for cause, share in parts:
+            if share <= 0:
+                continue
+            artists.append(ax.barh(y, share, left=left, color=CAUSE_COLOURS.get(cause, "#777777"),
+                                   hatch="//" if cause == "descheduled inside actions" else None, edgecolor="white",
+                                   label=cause if cause not in seen else None))
+            seen.add(cause)
+            left += share
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("share of ranks x step")
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    if title:
+        ax.set_title(title)
+    artists.append(ax.legend(fontsize="small", loc="lower right"))
+    return artists
