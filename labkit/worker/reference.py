@@ -43,9 +43,10 @@ def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=N
     if loss_fn is None:
         with torch.no_grad(), autocast_ctx(device, autocast):
             return Reference(output=_first(ref(x, **kwargs)).detach())
-    with autocast_ctx(device, autocast):
+    with autocast_ctx(device, autocast):  # the loss too: a schedule computes it inside its step
         out = _first(ref(x, **kwargs))
-    losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim), y.chunk(n_microbatches, dim=chunk_dim))]
+        losses = [loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim),
+                                                y.chunk(n_microbatches, dim=chunk_dim))]
     torch.stack(losses).mean().backward()
     if clip_grad_norm is not None:  # what a pipelined run clipped over all its stages (--clip-grad-norm)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_grad_norm)
@@ -54,15 +55,19 @@ def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=N
 
 
 def float64_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu", chunk_dim: int = 0,
-                      kwargs: dict | None = None, clip_grad_norm: float | None = None) -> Reference | None:
+                      kwargs: dict | None = None, clip_grad_norm: float | None = None,
+                      why: list | None = None) -> Reference | None:
     """`whole_batch_reference` of a float64 copy on float64 inputs, without autocast: the truth a
-    step's own rounding is measured against (None where the model cannot run in float64)."""
+    step's own rounding is measured against (None where the model cannot run in float64; `why`, a
+    list, gets the error then)."""
     up = lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v  # noqa: E731
     try:
         model64 = reference_copy(model).double()
         return whole_batch_reference(model64, up(x), up(y), n_microbatches, loss_fn, device, chunk_dim,
                                      {k: up(v) for k, v in (kwargs or {}).items()}, clip_grad_norm)
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError) as e:
+        if why is not None:
+            why.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return None
 
 
@@ -85,7 +90,7 @@ def microbatched_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=
     for xc, yc, kw in zip(xs, y.chunk(n_microbatches, dim=chunk_dim), kws):
         with autocast_ctx(device, autocast):
             out = _first(ref(xc, **kw))
-        loss = loss_fn(out, yc)
+            loss = loss_fn(out, yc)
         loss.backward()
         losses.append(float(loss.detach()))
     with torch.no_grad():
@@ -263,7 +268,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
     args = (full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm, autocast)
     ref, probe = whole_batch_reference(*args), microbatched_reference(*args)
-    truth = float64_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm)
+    why: list[str] = []
+    truth = float64_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm, why)
     last_stage = max((int(s.stage_index) for s in stages if s.is_last), default=None)
     figures: list[Figure] = []
     no_grad: list[str] = []
@@ -309,6 +315,9 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     ok = bool(complete and not no_grad and (within if tolerance is None else diff <= tolerance))
     notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
              f"by the reference's copy; the class's forward was"] if dropped else []
+    if why and tolerance is None:
+        notes.append(f"no float64 truth (the model or loss would not run in float64: {why[0]}): each floor is the "
+                     f"reference against itself microbatch by microbatch alone, which a cut of the batch can fool")
     return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, tolerance,
                  [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=autocast),
                  no_grad, notes)
