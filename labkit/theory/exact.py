@@ -39,6 +39,11 @@ from .search import SearchResult, evaluate, placement
 SCALES = (1, 2, 4, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
 
 
+NEEDS_ORTOOLS = ("the exact model (CP-SAT) needs OR-Tools, the kit's `search` extra (labkit[search]): in the lab's "
+                 "folder, pip install -e '.[search]' (or pip install ortools)")
+"""What to install, said by every caller that needs CP-SAT (`improve`, `labkit.theory.frontier.v_claims`)."""
+
+
 def available() -> bool:
     """True when OR-Tools (CP-SAT) is installed."""
     try:
@@ -64,8 +69,8 @@ def improve(seed: SearchResult, pp_size: int, n_microbatches: int, cost: Cost, *
     try:
         from ortools.sat.python import cp_model
     except ImportError:
-        raise ConfigError("the exact model needs OR-Tools: pip install 'labkit[search]' (or pip install ortools), "
-                          "or leave --time-limit at 0 for the list scheduler alone.") from None
+        raise ConfigError(f"{NEEDS_ORTOOLS}; or leave --time-limit (time_limit=) at 0 for the list scheduler "
+                          f"alone.") from None
     spr, m, R = seed.stages_per_rank, n_microbatches, seed.weight_memory
     if seed.bound and seed.value <= seed.bound * (1 + 1e-12):  # the seed meets a proven bound: optimal already
         seed.solver = {"status": "OPTIMAL", "seconds": 0.0, "seed": seed.rule, "seed_value": seed.value,

@@ -101,8 +101,12 @@ def v_claims(pp_size: int, n_microbatches: int, weight_memories=(1.0, 0.0), *, t
     (`ratio`) against the claimed share (`claim`; `claim_makespan`, the makespan it allows). CP-SAT
     (`time_limit` > 0) runs for the loosest count (the smallest R) only: every R holds at least as much at
     every moment, so that row's proven `bound` bounds all counts. `makespan` None: no order fits. Notebook 13."""
+    from .exact import NEEDS_ORTOOLS, available
     from .vgreedy import v_order
 
+    if time_limit > 0 and not available():  # else the search's refusal would read as "no order fits"
+        raise ConfigError(f"v_claims(time_limit={time_limit:g}) proves its bounds with {NEEDS_ORTOOLS}; or pass "
+                          f"time_limit=0 for the list scheduler alone (no proven bound).")
     p, m = pp_size, n_microbatches
     half = stage_cost(1, 1, 1, 2)
     busy = 3 * m
@@ -120,7 +124,7 @@ def v_claims(pp_size: int, n_microbatches: int, weight_memories=(1.0, 0.0), *, t
             try:
                 found = search(p, m, half, memory_limit=memory_share * p, stages_per_rank=2, weight_memory=r,
                                objective="makespan", time_limit=exact)
-            except ConfigError:
+            except ConfigError:  # no order fits this little memory
                 rows.append(row)
                 continue
             row.update(makespan=found.makespan, ratio=(found.makespan - busy) / one_f_one_b,
