@@ -39,9 +39,9 @@ def step(scale=16.0, bug=False, autocast=None, tracker=False, unused=False, tole
     torch.manual_seed(1)
     x, y = torch.randn(16, 32) * 2, torch.randn(16, 32)
     import copy
-    mod = copy.deepcopy(full[rank])
+    mod = full[rank] if tracker else copy.deepcopy(full[rank])  # the tracker patches full's own module
     if (bug or unused) and rank == 1:
-        mod = Buggy(mod, None if unused else 0.99)
+        mod = Buggy(mod, None if unused else (0.99 if bug is True else bug))
     stage = PipelineStage(mod, rank, 2, device)
     if tracker:
         SavedTensorTracker([stage])
@@ -103,8 +103,9 @@ def test_a_tracked_stage_compares_every_parameter(pool):
 
 @pytest.mark.launches
 def test_a_held_but_unused_parameter_is_named_as_unused(pool):
+    """Named by the unsplit model's name (the stage holds it as inner.3.bias, `renamed` maps it), as the figures are."""
     c = _check(pool, unused=True)
-    assert not c["ok"] and "stage 1's 'inner.3.bias'" in c["failure"] and "unused in its forward" in c["failure"], c
+    assert not c["ok"] and "stage 1's '1.3.bias'" in c["failure"] and "unused in its forward" in c["failure"], c
 
 
 def test_where_tells_a_scaling_mistake_from_a_backward():
@@ -129,3 +130,14 @@ def test_with_the_default_tolerance_a_failure_still_says_where(pool):
     out = pool.exec("_c = step(bug=True, tolerance=1e-4)\n(_c.ok, _c.tolerance, _c.failure)")[0]
     assert out[0] is False and out[1] == 1e-4 and out[2].startswith("reference mismatch: max abs diff"), out
     assert "stage 1's '1.3.bias'" in out[2], out[2]
+
+
+@pytest.mark.launches
+def test_a_bug_within_an_absolute_tolerance_is_still_named_as_outside_the_noise(pool):
+    """A bias entering at 99.9% on unscaled weights moves the step by less than 1e-4: the absolute
+    tolerance passes it; the Check's notes say it is far outside float noise, and where."""
+    out = pool.exec("_c = step(scale=1.0, bug=0.999, tolerance=1e-4)\n(_c.ok, _c.notes, _c.worst_ratio)")[0]
+    assert out[0] is True and out[2] > 100, out
+    assert any("outside float noise" in n and "1.3.bias" in n for n in out[1]), out[1]
+    strict = pool.exec("_c = step(scale=1.0, bug=0.999)\n(_c.ok, _c.failure)")[0]
+    assert strict[0] is False and "1.3.bias" in strict[1], strict

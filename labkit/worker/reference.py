@@ -315,6 +315,11 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     ok = bool(complete and not no_grad and (within if tolerance is None else diff <= tolerance))
     notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
              f"by the reference's copy; the class's forward was"] if dropped else []
+    worst = max(figures, key=lambda f: f.ratio, default=None)
+    if tolerance is not None and ok and worst is not None and worst.ratio > NOISE_MULTIPLE:
+        notes.append(f"within the tolerance {tolerance:g}, but outside float noise: the worst tensor ({worst.kind} "
+                     f"{worst.name}) is {worst.ratio:.3g}x the floor measured for this model and data; a check without "
+                     f"tolerance= would fail it (where: {where(figures, autocast=autocast)})")
     if why and tolerance is None:
         notes.append(f"no float64 truth (the model or loss would not run in float64: {why[0]}): each floor is the "
                      f"reference against itself microbatch by microbatch alone, which a cut of the batch can fool")
@@ -336,8 +341,8 @@ def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Refer
             if g is None and r is None:  # used by neither: nothing to compare, nothing missing
                 numel += 0 if name in tied else p.numel()
                 continue
-            if g is None:
-                no_grad.append(f"stage {s.stage_index}'s {name!r}")
+            if g is None:  # named as the figures name it: the unsplit model's name
+                no_grad.append(f"stage {s.stage_index}'s {target!r}")
                 continue
             if r is None or g.shape != r.shape:
                 worst = float("inf")
