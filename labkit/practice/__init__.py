@@ -6,14 +6,15 @@ Owns two small concerns, each in its module:
   such a step against the unsplit model's token mean (`check_token_step`, a thin layer over
   `labkit.worker.reference.check_step`), and the least-squares weights of an accumulated gradient over
   per-batch reference gradients (how `scale_grads=True` turns a sum of steps into a moving average);
-- `measure`: what a step costs beside its time: bytes sent between ranks (`SentBytes`), a fresh
-  activation tracker per measured step (`fresh_tracker`), the median of warm step times (`time_steps`).
+- `measure`: what a step costs beside its time: bytes sent between ranks (`SentBytes`), autocast's
+  weight copies saved for the backward (`WeightCopies`), a fresh activation tracker per measured step
+  (`fresh_tracker`, `rank_peak`), the median of warm step times (`time_steps`).
 
 Runs inside the ranks (live ranks' cells); imports torch and labkit.worker only.
 """
 
 from .loss import check_token_step, fit_weights, token_loss, token_sum_loss, valid_tokens
-from .measure import SentBytes, fresh_tracker, rank_peak, time_steps
+from .measure import SentBytes, WeightCopies, fresh_tracker, rank_peak, time_steps
 
 __all__ = ["check_token_step", "fit_weights", "token_loss", "token_sum_loss", "valid_tokens",
-           "SentBytes", "fresh_tracker", "rank_peak", "time_steps"]
+           "SentBytes", "WeightCopies", "fresh_tracker", "rank_peak", "time_steps"]

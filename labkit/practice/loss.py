@@ -67,7 +67,7 @@ def check_token_step(full, stages, x, y, losses, n_microbatches: int, n_valid: i
     def reference_loss(output, target):
         return _token_sum(output, target, ignore_index) / n * n_microbatches
 
-    scaled = [float(l) * n_microbatches for l in losses]
+    scaled = [float(l.detach() if torch.is_tensor(l) else l) * n_microbatches for l in losses]
     return check_step(full, stages, x, y, scaled, n_microbatches, reference_loss, **kwargs)
 
 

@@ -47,6 +47,49 @@ class SentBytes:
         dist.P2POp.__init__ = self._orig
 
 
+class WeightCopies:
+    """Context manager: bytes of the parameter casts saved for the backward while it is open (`bytes`).
+
+    Under `torch.autocast` a layer computes with a bf16 copy of its float32 weight, made once per autocast
+    region (autocast's cache) and saved for the backward wherever the layer's input needs a gradient: memory
+    held for the backward that is not an activation. A saved tensor is such a copy when autograd made it
+    from an `nn.Parameter` by a cast (`ToCopyBackward0` fed by the parameter's `AccumulateGrad`), possibly seen
+    through a view (the transposed weight a matmul saves); each storage counts once. Open it around a step
+    WITHOUT a `SavedTensorTracker` on the stages: the tracker's hooks sit inside the stage's forward and
+    would take every saved tensor first."""
+
+    VIEWS = ("TBackward0", "TransposeBackward0", "ViewBackward0", "PermuteBackward0", "ExpandBackward0",
+             "AliasBackward0")
+
+    def __init__(self):
+        self._storages: dict[int, int] = {}
+        self._ctx = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def _pack(self, t):
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ in self.VIEWS:
+            fn = fn.next_functions[0][0]
+        source = fn.next_functions[0][0] if fn is not None and type(fn).__name__ == "ToCopyBackward0" \
+            and fn.next_functions else None
+        # a parameter's cast; a leaf input's (a stage's received activation) is an activation
+        if type(source).__name__ == "AccumulateGrad" and isinstance(source.variable, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "WeightCopies":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
 def fresh_tracker(stages):
     """A new `SavedTensorTracker` on `stages`, with any earlier tracker's wrapper removed first.
 

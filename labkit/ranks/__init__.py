@@ -1,11 +1,13 @@
 """Live ranks: a pool of torchrun ranks that keeps running between notebook cells.
 
 pool.py (`Ranks`, `RanksError`), cell.py (one cell in flight), job.py (the torchrun launch), channel.py (the
-authenticated Unix socket), rank.py (the rank side), output.py (live output), magics.py (`%%ranks`).
-Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped).
+authenticated Unix socket), rank.py (the rank side), output.py (live output), magics.py (`%%ranks`),
+choose.py (a schedule and m chosen under an activation cap, each candidate measured and checked on the pool).
+Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped;
+05 chooses one with choose.py).
 
-May import: labkit.core, labkit.logs, labkit.spans, labkit.config, labkit.worker (the rank side), labkit.timeline,
-labkit.launching (the torchrun launch of the pool).
+May import: labkit.core, labkit.logs, labkit.schedules, labkit.spans, labkit.config, labkit.worker (the rank side),
+labkit.timeline, labkit.launching (the torchrun launch of the pool).
 """
 
 from .pool import Ranks, RanksError, current

@@ -150,22 +150,75 @@ class SavedTensorTracker:
         tracker = SavedTensorTracker(stages)      # on each rank, before schedule.step(...)
         schedule.step(...)
         tracker.events                            # the kernel draws them: plot.plot_memory
+
+    One tracker, many steps: it counts PER STEP. torch's `schedule.step()` begins by clearing each
+    stage's runtime state (`clear_runtime_states`, torch 2.11 to 2.15); the tracker hooks that call,
+    so every step starts from zero: `events` and `peak()` are the latest step's (`steps` counts the
+    steps seen), and bytes an earlier step saved that are still held when a step begins are not
+    that step's: they are reported in `carried` ({stage: bytes}) and left out of its counts. A
+    second tracker on the same stages replaces the first (it would otherwise sit inside the first's
+    wrapper and see nothing): the first stops counting. `labkit.ranks.choose` measures each
+    candidate schedule this way (notebook 05).
+
+    The holder keeps a detached view of the saved tensor (the same bytes, no autograd history).
+    Holding the tensor itself made a cycle for a saved OUTPUT (holder -> tensor -> its grad_fn ->
+    the node that saved it -> holder) that no collector can break, since autograd's nodes live in
+    C++: when a node is never run with retain_graph off (the input-gradient half of a split backward,
+    `I`, runs with retain_graph=True, and `W` does not walk that part of the graph), its saved outputs
+    were never released, by the tracker nor by the rank: the zero-bubble schedules' peaks grew within
+    a step and from step to step (ZBVZeroBubble, 2 ranks, a small MLP: 33, 50, 66 KB over 3 steps of
+    one tracker instead of 20 KB each; issue 42).
     """
 
     def __init__(self, stages):
         import torch
 
         self.events: list[tuple[float, int, int, int | None]] = []
+        self.steps = 0
+        self.carried: dict[int, int] = {}
         self._held: dict[int, int] = {}
         self._live: dict[tuple[int, int], dict[tuple[int, int], int]] = {}  # (stage, storage) -> {range: count}
+        self._generation = 0  # holders saved under an earlier generation (step) no longer change the counts
+        self._fresh = True    # nothing counted since the last new_step()
         self._torch = torch
         for st in stages:
             self._wrap(st.submod, st.stage_index)
+            self._hook_step(st)
+
+    def _hook_step(self, stage) -> None:
+        """Start a new step whenever torch's step() clears this stage's runtime state (its first act)."""
+        original = getattr(stage, "clear_runtime_states", None)
+        if original is None:  # not a PipelineStage (a test's stand-in): one step, counted from creation
+            return
+        original = getattr(original, "_labkit_original", original)  # a previous tracker's hook: replaced
+        tracker = self
+
+        def clear_runtime_states(*args, **kwargs):
+            tracker.new_step()
+            return original(*args, **kwargs)
+
+        clear_runtime_states._labkit_original = original
+        stage.clear_runtime_states = clear_runtime_states
+
+    def new_step(self) -> None:
+        """Count from zero: what is held now was saved by an earlier step (`carried`). torch's
+        `schedule.step()` calls it through each stage; a rank with several stages calls it once per
+        stage, back to back, and only the first call (something counted since the last) starts a step."""
+        if self.steps and self._fresh:
+            return
+        self.carried = {s: n for s, n in self._held.items() if n}
+        self.events = []
+        self._held = {s: 0 for s in self._held}
+        self._live = {}
+        self._generation += 1
+        self.steps += 1
+        self._fresh = True
 
     def _wrap(self, module, stage: int) -> None:
         torch = self._torch
         params = param_storages(module)
         original = module.forward
+        original = getattr(original, "_labkit_original", original)  # a previous tracker's wrapper: replaced
         tracker = self
 
         def pack(t):
@@ -175,7 +228,7 @@ class SavedTensorTracker:
                 storage, first, end = byte_range(t)
             except RuntimeError:  # no storage to read (a DTensor's wrapper under tensor parallelism): its
                 return t          # local tensor, which holds the bytes, is saved and counted on its own
-            return _Held(tracker, stage, t, storage, (first, end))
+            return _Held(tracker, stage, t.detach(), storage, (first, end))  # detached: no cycle (see the class)
 
         def unpack(held):
             return held.tensor if isinstance(held, _Held) else held
@@ -185,11 +238,15 @@ class SavedTensorTracker:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return original(*args, **kwargs)
 
+        forward._labkit_original = original
         module.forward = forward
         self._held.setdefault(stage, 0)
 
-    def _change(self, stage: int, storage: int, rng: tuple[int, int], delta: int, device) -> None:
+    def _change(self, stage: int, storage: int, rng: tuple[int, int], delta: int, device, generation: int) -> None:
         import time
+
+        if generation != self._generation:
+            return  # saved by an earlier step: counted there (and in `carried`), not in this one
 
         live = self._live.setdefault((stage, storage), {})
         before = union_length(live)
@@ -202,6 +259,7 @@ class SavedTensorTracker:
         if change == 0:
             return
         self._held[stage] += change
+        self._fresh = False
         allocated = self._torch.cuda.memory_allocated(device) if getattr(device, "type", "cpu") == "cuda" else None
         self.events.append((time.time(), stage, self._held[stage], allocated))
 
@@ -216,15 +274,15 @@ class SavedTensorTracker:
 class _Held:
     """A saved tensor, as autograd's graph holds it: counted while the graph keeps this holder."""
 
-    __slots__ = ("tensor", "tracker", "stage", "storage", "rng", "device")
+    __slots__ = ("tensor", "tracker", "stage", "storage", "rng", "device", "generation")
 
     def __init__(self, tracker, stage, tensor, storage, rng):
         self.tensor, self.tracker, self.stage, self.storage, self.rng = tensor, tracker, stage, storage, rng
-        self.device = tensor.device
-        tracker._change(stage, storage, rng, +1, self.device)
+        self.device, self.generation = tensor.device, tracker._generation
+        tracker._change(stage, storage, rng, +1, self.device, self.generation)
 
     def __del__(self):
         try:
-            self.tracker._change(self.stage, self.storage, self.rng, -1, self.device)
+            self.tracker._change(self.stage, self.storage, self.rng, -1, self.device, self.generation)
         except Exception:  # interpreter shutdown: nothing left to count
             pass
