@@ -117,3 +117,21 @@ def test_per_microbatch_means_fail_the_token_mean_check_and_the_global_count_pas
     good = pool.exec("c = step(True); (c.ok, c.compared == c.expected, c.failure)")
     assert bad[0] == bad[1] == (False, True), bad
     assert good[0][:2] == good[1][:2] == (True, True), good
+
+
+def test_weight_copies_counts_autocasts_casts_of_parameters_not_of_inputs():
+    from labkit.practice import WeightCopies
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 8, requires_grad=True)  # a stage's received activation: a leaf that is no parameter
+    with torch.autocast("cpu", dtype=torch.bfloat16), WeightCopies() as copies:
+        mod(x)
+        mod(x)  # a second microbatch: autocast's cache hands it the same copies
+    assert copies.bytes == 2 * (8 * 32 + 32 * 8)  # both weights in bf16, once each; x's cast is an activation
+    with WeightCopies() as none:
+        mod(x)
+    assert none.bytes == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16), WeightCopies() as data:
+        mod(torch.randn(4, 8))  # the data needs no gradient: the first layer's weight is not kept for the backward
+    assert data.bytes == 2 * 32 * 8
