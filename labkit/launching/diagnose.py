@@ -12,6 +12,7 @@ import re
 import shlex
 from pathlib import Path
 
+from ..core.shown import shown
 from .rundir import TAIL_LINES, Run
 
 # A frame line of a faulthandler dump: `  File "x.py", line 12 in f`.
@@ -139,7 +140,9 @@ TEARDOWN_HINT = (
 
 
 def error_message(run: Run, headline: str) -> str:
-    """The headline, the exact command, and the tail of the failing rank's log (or of launcher.log)."""
+    """The headline, the exact command, and the tail of the failing rank's log (or of launcher.log),
+    with this machine's folders cut (`labkit.core.shown`: python, <site-packages>/, paths from the
+    current folder); command.txt and the logs in the run directory keep the exact paths."""
     parts = [headline, f"Command: {shlex.join(run.command)}", f"Run directory: {run.run_dir}"]
     if run.failed_rank is not None:
         parts.append(f"Last lines of rank {run.failed_rank}'s log ({run.rank_dir(run.failed_rank)}):")
@@ -153,4 +156,4 @@ def error_message(run: Run, headline: str) -> str:
         parts.append("Last lines of launcher.log:")
         text = launcher_text(run.run_dir)
         parts.append("\n".join(text.splitlines()[-TAIL_LINES:]) if text else "(empty)")
-    return "\n".join(parts)
+    return shown("\n".join(parts))

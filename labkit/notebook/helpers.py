@@ -8,7 +8,8 @@ compared by nbval. `solution(notebook, name)` loads an exercise's reference answ
 `solutions/` folder next to the notebook. Taught along the way in notebooks 00-09.
 
 The notebooks also import order and memory helpers from here; their owners are `labkit.schedules.orders`
-(notebooks 04, 05, 08) and `labkit.worker.memory` (notebooks 01, 02, 04).
+(notebooks 04, 05, 08) and `labkit.worker.memory` (notebooks 01, 02, 04), and `shown` (a command, a log
+tail or a path without this machine's folders: `labkit.core.shown`; notebooks 00, 02, 09, 12).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import warnings
 from pathlib import Path
 
+from ..core.shown import shown
 from ..launching.diagnose import stack_frames as diagnose_frames
 from ..worker.memory import param_groups, saved_activation_bytes
 from ..schedules.orders import format_order, order_csv, peak_in_flight, rank_orders, torch_actions
@@ -29,7 +31,7 @@ __all__ = [
     "rank_locations", "stack_frames",
     # owned by labkit.schedules.orders and labkit.worker.memory, imported from here by the notebooks
     "format_order", "order_csv", "peak_in_flight", "rank_orders", "torch_actions", "param_groups",
-    "saved_activation_bytes",
+    "saved_activation_bytes", "shown",
 ]
 
 

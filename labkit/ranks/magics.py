@@ -18,6 +18,7 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from ..core.shown import shown
 from . import pool as _pool
 from .pool import DEFAULT_TIMEOUT_S, Ranks, RanksError
 
@@ -64,9 +65,11 @@ def _parse_ranks(text: str | None) -> list[int] | None:
 
 
 def status_text(st: dict) -> str:
-    """A short table of `Ranks.status()` (pids vary: keep it out of tested outputs)."""
+    """A short table of `Ranks.status()` (pids vary: keep it out of tested outputs); the run directory
+    as `labkit.core.shown` writes it (relative to the current folder)."""
     head = (f"pool: {'running' if st['running'] else 'stopped'}, {st['nproc']} ranks, device {st['device']}, "
-            f"backend {st['backend']}, cells run {st['cells_run']}, restarts {st['restarts']}\nrun dir: {st['run_dir']}")
+            f"backend {st['backend']}, cells run {st['cells_run']}, restarts {st['restarts']}\n"
+            f"run dir: {shown(st['run_dir'])}")
     rows = [f"  rank {r['rank']}: pid {r['pid']}, {'alive' if r['alive'] else 'gone'}, {'busy' if r['busy'] else 'idle'}"
             for r in st["ranks"]]
     return "\n".join([head, *rows])
