@@ -39,3 +39,23 @@ def exercise_4():
     """
     stages_on_rank0, microbatches = 2, 8
     return stages_on_rank0 * microbatches
+
+
+def exercise_5(table, cap_bytes):
+    """Half the cap: the fastest measured candidate that fits it and passed its check
+    (`labkit.ranks.choose.choose`), defended with the table: its time and peak, and what every faster
+    candidate would have cost in memory. With notebook 05's peaks, half of 200 KiB leaves the m = 32
+    candidates of 1F1B and ZBVZeroBubble (80 KiB on their fullest rank); which of the two is faster is
+    this run's measurement, and two within a few percent are both defensible.
+    """
+    from labkit.ranks.choose import ChoiceTable
+
+    half = ChoiceTable(table.rows, cap_bytes)
+    best = half.choice
+    faster = [r for r in half.rows if r.check_ok and r.step_s < best.step_s]
+    cost = "; ".join(f"{r.schedule} m={r.n_microbatches} was faster ({1000 * r.step_s:.0f} ms) but holds "
+                     f"{r.peak_bytes // 1024} KiB" for r in faster) or "nothing measured was faster"
+    why = (f"{best.schedule} with m={best.n_microbatches}: {1000 * best.step_s:.0f} ms a step, checked against the "
+           f"unsplit model, {best.peak_bytes // 1024} KiB on its fullest rank under the {cap_bytes // 1024} KiB cap; "
+           f"{cost}.")
+    return (best.schedule, best.n_microbatches), why
