@@ -10,7 +10,9 @@ Owns two small concerns, each in its module:
   weight copies saved for the backward (`WeightCopies`), a fresh activation tracker per measured step
   (`fresh_tracker`, `rank_peak`), the median of warm step times (`time_steps`).
 
-Runs inside the ranks (live ranks' cells); imports torch and labkit.worker only.
+Runs inside the ranks (live ranks' cells).
+
+May import: labkit.worker (reference, memory). Never the launching side.
 """
 
 from .loss import check_token_step, fit_weights, token_loss, token_sum_loss, valid_tokens
