@@ -17,7 +17,7 @@ LAYERS = (
     ("labkit.theory", "labkit.spans"),
     ("labkit.config",),
     ("labkit.worker",),
-    ("labkit.models", "labkit.parallel"),
+    ("labkit.models", "labkit.parallel", "labkit.practice"),
     ("labkit.jobs", "labkit.timeline"),
     ("labkit.launching",),
     ("labkit.ranks",),
