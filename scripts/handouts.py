@@ -75,9 +75,13 @@ def to_html(nb) -> str:
     """HTML of a prepared notebook: figures embedded, no MathJax, print CSS added."""
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(embed_images=True)
+    # Figures are outputs, embedded as data URIs by nbconvert in any case; embed_images=True would only add
+    # markdown images (the notebooks have none) and sends markdown through a renderer that closes raw HTML
+    # blocks at once: the MathML became empty elements followed by text, each <details> an empty toggle.
+    exporter = HTMLExporter(embed_images=False)
     exporter.mathjax_url = ""
     html, _ = exporter.from_notebook_node(nb)
+    html = html.replace("<details>", "<details open>")  # on paper every collapsed block is printed
     # Nothing from a CDN (MathJax, require.js for widgets): a printer or an offline room has no network.
     html = re.sub(r"<script[^>]*\bsrc=\"(?:https?:)?//[^\"]*\"[^>]*>\s*</script>", "", html)
     html = re.sub(r"<script[^>]*>\s*</script>", "", html)

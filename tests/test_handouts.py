@@ -33,6 +33,10 @@ def test_a_real_handout_has_no_raw_math_markers_widget_reprs_or_cdn(tmp_path):
     written = h.build([NOTEBOOK], tmp_path, pdf=shutil.which("chromium") is not None)
     html = (tmp_path / "04_schedules_gpipe_1f1b.html").read_text()
     assert html.count("<math") >= 10, "math is rendered as MathML"
+    assert not re.search(r"<math[^>]*>\s*</math>", html) and "<mi>p</mi>" in html, "MathML with its content inside"
+    blocks = re.findall(r"<details open>(.*?)</details>", html, re.S)
+    assert blocks and all(len(re.sub(r"<[^>]+>|\s", "", b)) > 40 for b in blocks), "collapsed blocks print open, whole"
+    assert "<details>" not in html
     assert "$(p-1)" not in html and "$p - s$" not in html, "no raw LaTeX left"
     assert not re.search(r"NBVAL_|NEEDS_TORCH", html), "test markers are hidden"
     assert "HBox(children=" not in html and "IntProgress(" not in html, "widgets show as text"
