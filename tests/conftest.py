@@ -99,3 +99,18 @@ def run_suite(root: Path, name: str, cfgs: dict, nproc: int, job_args: dict | No
     from labkit.ranks.suite import run_configs
 
     return run_configs(live_ranks(nproc), cfgs, root / name, job_args=job_args)
+
+
+@pytest.fixture
+def no_ortools(monkeypatch):
+    """This test's imports of OR-Tools fail, as on an install without the `search` extra."""
+    import builtins
+
+    real = builtins.__import__
+
+    def refuse(name, *a, **k):
+        if name.startswith("ortools"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)

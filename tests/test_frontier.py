@@ -74,22 +74,12 @@ def test_v_claims_rows_at_half_and_a_third_of_1f1bs_memory():
     assert rows["V-Min", 1.0]["limit"] == pytest.approx(4 / 3) and rows["V-Min", 1.0]["makespan"] > 30
 
 
-def test_v_claims_without_ortools_says_what_to_install(monkeypatch):
+def test_v_claims_without_ortools_says_what_to_install(no_ortools):
     """Notebook 13's claims cell without the `search` extra (issue 42): it ended in a TypeError
     (the CP-SAT row came back with no makespan, its refusal taken for "no order fits"); now the
     call says what to install, before any search runs. Without time_limit it needs no OR-Tools."""
-    import builtins
-
     from labkit.theory.frontier import v_claims
 
-    real = builtins.__import__
-
-    def no_ortools(name, *a, **k):
-        if name.startswith("ortools"):
-            raise ImportError(name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_ortools)
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[search\]'.*time_limit=0") as e:
         v_claims(4, 8, weight_memories=(1.0, 0.0), time_limit=20)
     assert "OR-Tools" in str(e.value) and "labkit[search]" in str(e.value)

@@ -264,16 +264,8 @@ def test_the_exact_model_proves_its_bound_and_never_loses_to_its_seed():
     assert simulate_order(r.order, 3, 4, c).metrics()["makespan"] == pytest.approx(r.makespan)
 
 
-def test_the_exact_model_without_ortools_says_how_to_install_it(monkeypatch):
-    import builtins
+def test_the_exact_model_without_ortools_says_how_to_install_it(no_ortools):
     from labkit.core.errors import ConfigError
-    real = builtins.__import__
-
-    def no_ortools(name, *a, **k):
-        if name.startswith("ortools"):
-            raise ImportError(name)
-        return real(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_ortools)
     with pytest.raises(ConfigError, match=r"labkit\[search\]"):
         search(2, 2, UNIT, memory_limit=2, time_limit=1)
 
