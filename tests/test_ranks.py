@@ -316,6 +316,9 @@ def test_magics_run_cells_show_status_stop_and_start_a_pool(pool, capsys, monkey
     from IPython.core.interactiveshell import InteractiveShell
 
     monkeypatch.setenv("LABKIT_RUNS", str(tmp_path))
+    # the magic's view as a notebook's: this pool alone (the suite's other warm pools, started by other
+    # modules in this process, would otherwise become current once this one stops)
+    monkeypatch.setattr(labkit.ranks.pool, "_POOLS", {pool: None})
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "labkit")
     ip.run_line_magic("ranks", "status")
