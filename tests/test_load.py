@@ -1,10 +1,12 @@
 """A busy machine on the timeline (labkit.spans: scheduler clocks on every span, the load at each
 step's end; labkit.spans.idle: the cause "descheduled: the machine was busy").
 
-Stated bound: with two busy loops per core beside a 2-rank 1F1B step, the ranks' descheduled share
-(run-queue time between and inside actions) rises by at least 2 points of the step over the same
-step without them. Measured here (2 cores, torch 2.15): 1-16% without, 20-60% with, depending on
-what else the machine runs."""
+Stated bound: with one busy loop per core beside a 2-rank 1F1B step, the ranks' descheduled share
+(run-queue time between and inside actions; medians of three alternating rounds) exceeds the same
+step's without them by at least 2 points. Measured here (2 cores, torch 2.15, load average ~1):
+3-16% without, 19-32% with. Without a quiet baseline (the step descheduled for over 25% without the
+loops, or a load average over 2 per core + 2: other work on the machine) the comparison means
+nothing and the test says so and skips."""
 
 import os
 import subprocess
@@ -69,6 +71,8 @@ def _step():
 """
 
 pool = module_pool(2, SETUP)
+LOOPS_PER_CORE = 1  # issue 42's "one busy loop per core"
+QUIET = 0.25        # a quiet baseline: descheduled for at most this share of the step without the loops
 
 
 def _measure(pool, loops: int):
@@ -85,20 +89,21 @@ def _measure(pool, loops: int):
 
 @pytest.mark.launches
 def test_a_busy_machine_shows_as_descheduled_time(pool):
-    """Three rounds, each a step without and a step beside two busy loops per core (alternating, so
+    """Three rounds, each a step without and a step beside one busy loop per core (alternating, so
     that what else the machine runs weighs on both alike); the medians compared."""
     import statistics
 
     cores = os.cpu_count() or 1
-    rounds = [(_measure(pool, 0), _measure(pool, 2 * cores)) for _ in range(3)]
+    rounds = [(_measure(pool, 0), _measure(pool, LOOPS_PER_CORE * cores)) for _ in range(3)]
     (quiet, tl), (busy, _) = rounds[-1]
-    print("without busy loops:\n" + quiet.text() + "\nwith two per core:\n" + busy.text())
+    print("without busy loops:\n" + quiet.text() + "\nwith one per core:\n" + busy.text())
     assert quiet.causes == busy.causes == CPU_CAUSES
     q = statistics.median(r[0][0].descheduled() for r in rounds)
     b = statistics.median(r[1][0].descheduled() for r in rounds)
     others = statistics.median(max(v["load1"] for v in r[0][0].load.values()) for r in rounds)
-    if others > 2 * cores + 2:  # more than the ranks and one busy loop per core (dev.py test --under-load)
-        pytest.skip(f"no quiet baseline: load average {others} on {cores} cores without the test's loops")
+    if others > 2 * cores + 2 or q > QUIET:  # more than the ranks and one busy loop per core (--under-load)
+        pytest.skip(f"no quiet baseline: without the test's loops the ranks were descheduled for {q:.0%} of the "
+                    f"step (load average {others} on {cores} cores): something else is keeping the machine busy")
     assert b > q + 0.02, ([r[0][0].descheduled() for r in rounds], [r[1][0].descheduled() for r in rounds])
     assert all(v["runnable"] >= 1 and v["cores"] == os.cpu_count() and 0 < v["share"] <= 1.05
                for v in busy.load.values()), busy.load
