@@ -129,12 +129,8 @@ def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, i
                      "output": out.detach() if (has_last and out is not None) else None}
             if tracker is not None:
                 from ..parallel.compose import memory_row
-                held: dict[int, int] = {}
-                peak = 0
-                for _, stage, bytes_, _ in tracker.events:  # the rank's stages together, at every change
-                    held[stage] = bytes_
-                    peak = max(peak, sum(held.values()))
-                first["memory"] = memory_row(stages, None, peak)  # optimizer state: after its first step, below
+                # the rank's stages together, at every change; optimizer state: after its first step, below
+                first["memory"] = memory_row(stages, None, tracker.rank_peak())
         step_losses.append(sum(float(l.detach()) for l in losses) / len(losses) if losses else float("nan"))
         if opt is not None:
             opt.step()

@@ -106,12 +106,7 @@ def fresh_tracker(stages):
 def rank_peak(tracker) -> int:
     """The most activation bytes this rank's stages held AT ONCE over the tracked step (a rank with
     two stages, V-shaped or looped, holds both: the sum of their per-stage peaks would overstate it)."""
-    held: dict[int, int] = {}
-    best = 0
-    for _, stage, n, _ in tracker.events:
-        held[stage] = n
-        best = max(best, sum(held.values()))
-    return best
+    return tracker.rank_peak()
 
 
 def time_steps(step, n: int = 5, warmup: int = 1) -> float:

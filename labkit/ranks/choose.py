@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..core.errors import ConfigError
+from ..worker.memory import rank_peak  # imports no torch
 
 CHOICE_NS = "__labkit_choice__"  # the ranks' namespace entry that holds the candidate being measured
 
@@ -216,17 +217,6 @@ def rank_check(ns: dict, loss_fn, prefix_stage_index: bool) -> dict:
                        prefix_stage_index=prefix_stage_index)
     return {"ok": bool(check.ok), "failure": (check.failure or "").splitlines()[0] if not check.ok else "",
             "peak": rank_peak(c["tracker"].events)}
-
-
-def rank_peak(events) -> int:
-    """The most bytes a rank's stages held AT ONCE, from a tracker's events (the sum of the stages'
-    own peaks would overstate a rank with two stages: they peak at different times)."""
-    held: dict[int, int] = {}
-    best = 0
-    for _, stage, n, *_ in events:
-        held[stage] = n
-        best = max(best, sum(held.values()))
-    return best
 
 
 def _step(c: dict) -> list:

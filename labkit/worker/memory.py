@@ -270,6 +270,22 @@ class SavedTensorTracker:
             out[s] = max(out[s], held)
         return out
 
+    def rank_peak(self) -> int:
+        """The most bytes this rank's stages held AT ONCE (`rank_peak` of the events)."""
+        return rank_peak(self.events)
+
+
+def rank_peak(events) -> int:
+    """The most bytes a rank's stages held AT ONCE, from a tracker's events (time, stage, bytes, ...):
+    the sum of the stages' own peaks would overstate a rank with two stages (V-shaped or looped: they
+    peak at different times)."""
+    held: dict[int, int] = {}
+    best = 0
+    for _, stage, n, *_ in events:
+        held[stage] = n
+        best = max(best, sum(held.values()))
+    return best
+
 
 class _Held:
     """A saved tensor, as autograd's graph holds it: counted while the graph keeps this holder."""
