@@ -116,26 +116,30 @@ def ensure_browser() -> None:
 
 
 def test_workers() -> int:
-    """How many pytest-xdist workers leg 1 uses: $PPLAB_TEST_WORKERS, else 1. More add load rather
-    than speed on 2 cores (most of the suite's CPU time is torch imported by every rank, kernel and
-    torchrun agent); with more than one, leg 2 runs beside leg 1."""
-    raw = os.environ.get("PPLAB_TEST_WORKERS", "1")
+    """How many pytest-xdist workers each leg uses: $PPLAB_TEST_WORKERS, else 2 where there are 2
+    cores or more (1 on one core). One worker kept about one of 2 cores busy: a test mostly waits
+    for ranks that start, import torch and wait for each other."""
+    default = "2" if (os.cpu_count() or 1) >= 2 else "1"
+    raw = os.environ.get("PPLAB_TEST_WORKERS", default)
     if not raw.isdigit() or int(raw) < 1:
         raise SetupError("read PPLAB_TEST_WORKERS", f"set it to a whole number >= 1 (1: no parallel workers), got {raw!r}")
     return int(raw)
 
 
-def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial: bool = False) -> list[str]:
-    """One pytest run of a leg. The parallel pass (workers > 1) keeps each file on one worker
-    (`--dist loadfile`: a notebook's cells share a kernel, a module's fixtures its jobs) and leaves
-    out the tests marked `serial`, which end or count every kit process on the machine; `serial`
-    selects only those, run alone after every other test of both legs."""
+def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial: bool = False,
+                   junit: Path | None = None) -> list[str]:
+    """One pytest run of a leg. The parallel pass (workers > 1) gives each worker whole units of work
+    (`--dist loadgroup`, units in tests/conftest.py: a file, or every file on the suite's warm pools
+    as one), longest first, and leaves out the tests marked `serial`, which end or measure every kit
+    process on the machine; `serial` selects only those, run alone after every other test of both legs."""
     cmd = [str(vpython(venv_dir)), "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--nbval-cell-timeout", "600",
            "--nbval-sanitize-with", str(ROOT / "notebooks" / "sanitize.cfg"), *paths, "-q", "-ra", "--durations=15"]
+    if junit is not None:  # each test's seconds, for the units' order (tests/conftest.py UNIT_SECONDS)
+        cmd.append(f"--junitxml={junit}")
     if serial:
         return [*cmd, "-m", "serial", *argv]
     if workers > 1:
-        cmd += ["-n", str(workers), "--dist", "loadfile"]
+        cmd += ["-n", str(workers), "--dist", "loadgroup", "--no-loadscope-reorder"]
     return [*cmd, "-m", "not serial", *argv]
 
 
@@ -147,6 +151,11 @@ ROLES = ("rank", "agent", "kernel", "script", "pytest")
 def imports_log(leg: int) -> Path:
     """Where leg `leg`'s processes that import torch are logged (scripts/torch_count)."""
     return ARTIFACTS / f"torch-imports-leg{leg}.tsv"
+
+
+def junit_path(leg: int) -> Path:
+    """Where leg `leg`'s per-test seconds are written (JUnit XML)."""
+    return ARTIFACTS / f"junit-leg{leg}.xml"
 
 
 def pytest_env(leg: int = 1) -> dict:
@@ -172,7 +181,7 @@ def count_imports(leg: int) -> str:
 
 
 def pytest(venv_dir: Path, paths, argv: list[str], workers: int = 1, serial: bool = False, leg: int = 1) -> int:
-    cmd = pytest_command(venv_dir, paths, argv, workers, serial)
+    cmd = pytest_command(venv_dir, paths, argv, workers, serial, junit=None if serial else junit_path(leg))
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=pytest_env(leg)).returncode
 
@@ -293,20 +302,17 @@ def test(argv: list[str]) -> int:
 
 def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> int:
     """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
-    the range) after it (beside it with `--legs-beside` or more than one worker, as soon as its
-    background set-up is done), its output kept in a log file that is shown when it ends; then the
-    `serial` tests, alone. Fails if any of them fails."""
+    the range) after it (beside it with `--legs-beside`, as soon as its background set-up is done),
+    its output kept in a log file that is shown when it ends; then the `serial` tests, alone. Each
+    leg runs on `test_workers()` pytest workers. Fails if any of them fails."""
     one_torch, beside = "--one-torch" in argv, "--legs-beside" in argv
     argv = [a for a in argv if a not in ("--one-torch", "--legs-beside")]
     workers = test_workers()
     import threading
     leg1_done = threading.Event()
-    # leg 2 starts after leg 1 (the CI default: one leg's load at a time); `--legs-beside` starts it as
-    # soon as its environment is built. Leg 1 alone keeps about one of 2 cores busy (22.6 user + 4.1 sys
-    # CPU-min in 26.3 min wall): beside each other a fresh-clone run took 41 min against about 48 in
-    # turn, but the two legs' start-ups together are a heavier load than one busy process per core, and
-    # notebook 04's sleeping-stages bubble (within 0.05 of the formula on 4 ranks) failed in leg 2 there.
-    other = None if one_torch else OtherLeg(argv, after=None if beside or workers > 1 else leg1_done, ready=other_ready)
+    # leg 2 starts after leg 1 (the CI default: one leg's load at a time, each leg on its workers);
+    # `--legs-beside` starts it as soon as its environment is built.
+    other = None if one_torch else OtherLeg(argv, workers=workers, after=None if beside else leg1_done, ready=other_ready)
     reset_imports_log(1)
     try:
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
@@ -319,6 +325,10 @@ def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> in
     print("\n== tests that end or count every kit process on the machine (marked serial), alone ==", flush=True)
     serial_rc = pytest(VENV, ("tests",), argv, serial=True)
     serial_rc = 0 if serial_rc == 5 else serial_rc  # none selected (e.g. by -k): nothing to run alone
+    if other is not None and other.rc is not None:  # leg 2's serial tests on its torch, alone too
+        other_tests = [p for p in OTHER_END_TESTS if p.startswith("tests/")]
+        rc = pytest(OTHER_VENV, other_tests, argv, serial=True, leg=2)
+        other_rc = other_rc or (0 if rc == 5 else rc)
     verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731
     said = f"\nwhole suite on torch {main_torch}: {verdict(main_rc or serial_rc)}"
     if other is not None:
@@ -339,9 +349,9 @@ class OtherLeg:
     failed set-up is raised there as the SetupError it is. `ready`: its environment is built already
     (`test --under-load` builds it before the load starts): no background set-up."""
 
-    def __init__(self, argv: list[str], after=None, ready: bool = False):
+    def __init__(self, argv: list[str], workers: int = 1, after=None, ready: bool = False):
         import threading
-        self.argv, self.torch, self.rc, self.error, self.proc = argv, "?", None, None, None
+        self.argv, self.workers, self.torch, self.rc, self.error, self.proc = argv, workers, "?", None, None, None
         self.after = after  # a threading.Event to wait for before the tests start (None: start at once)
         self.setup = None if ready else start_other_setup()
         self.killed = False
@@ -357,7 +367,7 @@ class OtherLeg:
             return
         if self.after is not None:
             self.after.wait()
-        cmd = pytest_command(OTHER_VENV, OTHER_END_TESTS, self.argv, workers=1)
+        cmd = pytest_command(OTHER_VENV, OTHER_END_TESTS, self.argv, workers=self.workers, junit=junit_path(2))
         with open(OTHER_LEG_LOG, "w") as log:
             log.write("+ " + " ".join(cmd) + "\n")
             log.flush()

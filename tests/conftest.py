@@ -84,6 +84,50 @@ def module_pool(nproc: int, setup: str = ""):
     return pool
 
 
+# Two xdist workers (scripts/dev.py test, `--dist loadgroup`): each file is one unit of work, run in
+# order on one worker (a notebook's cells share a kernel, a module's fixtures its jobs), except that
+# every file that runs tests on the suite's warm pools (it calls live_ranks, module_pool or run_suite)
+# is ONE unit, so the pools start once per leg, not once per worker. Units go out longest first
+# (UNIT_SECONDS), so the two workers end together. The units are the suite's own scheduler: xdist's
+# xdist_group marks rename node ids, which pytest 9.2 no longer lets a plugin do.
+POOL_CALLS = ("live_ranks(", "module_pool(", "run_suite(")
+POOLS_UNIT = "suite-pools"
+UNIT_SECONDS: dict = {}  # {unit: seconds it took in a full run on 2 cores}; a unit not here counts 0
+_uses_pools: dict = {}
+
+
+def uses_pools(path: Path) -> bool:
+    """Whether the test file at `path` runs tests on the suite's shared pools (POOL_CALLS)."""
+    if path not in _uses_pools:
+        text = path.read_text(errors="replace") if path.suffix == ".py" and path.name != "conftest.py" else ""
+        _uses_pools[path] = any(call in text for call in POOL_CALLS)
+    return _uses_pools[path]
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test or notebook cell belongs to: POOLS_UNIT or its file."""
+    path = nodeid.split("::")[0]
+    return POOLS_UNIT if uses_pools(REPO / path) else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return Units(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # on an xdist worker of `--dist loadgroup`
+        items.sort(key=lambda item: -UNIT_SECONDS.get(work_unit(item.nodeid), 0))  # stable: in-file order kept
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.close()

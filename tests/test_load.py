@@ -88,6 +88,7 @@ def _measure(pool, loops: int):
 
 
 @pytest.mark.launches
+@pytest.mark.serial  # its quiet rounds need a quiet machine: alone, after the parallel pass
 def test_a_busy_machine_shows_as_descheduled_time(pool):
     """Three rounds, each a step without and a step beside one busy loop per core (alternating, so
     that what else the machine runs weighs on both alike); the medians compared."""

@@ -271,9 +271,9 @@ def test_under_load_builds_the_second_legs_environment_before_the_load(monkeypat
             events.append("load stops")
 
     class Leg:
-        def __init__(self, argv, after=None, ready=False):
+        def __init__(self, argv, workers=1, after=None, ready=False):
             events.append(f"leg 2 ready={ready}")
-            self.torch = "2.11.0"
+            self.torch, self.rc = "2.11.0", 0
 
         def finish(self):
             return 0
@@ -356,9 +356,9 @@ def test_leg_2_runs_after_leg_1_unless_asked_to_run_beside(monkeypatch, flags, i
     seen = {}
 
     class Leg:
-        def __init__(self, argv, after=None, ready=False):
-            seen.update(argv=argv, after=after)
-            self.torch = "2.11.0"
+        def __init__(self, argv, workers=1, after=None, ready=False):
+            seen.update(argv=argv, after=after, workers=workers)
+            self.torch, self.rc = "2.11.0", 0
 
         def finish(self):
             return 0
@@ -367,3 +367,4 @@ def test_leg_2_runs_after_leg_1_unless_asked_to_run_beside(monkeypatch, flags, i
     monkeypatch.setattr(dev, "pytest", lambda *a, serial=False, **k: 5 if serial else 0)
     assert dev.test_legs([*flags, "-x"], "2.15.0") == 0
     assert seen["argv"] == ["-x"] and (seen["after"] is not None) is in_turn, seen
+    assert seen["workers"] == dev.test_workers(), seen  # each leg on the same workers
