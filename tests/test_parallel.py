@@ -11,8 +11,6 @@ first test shows that the difference is rounding, not a wrong gradient).
 
 import json
 import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -22,40 +20,39 @@ from labkit.config.run import RunConfig
 from conftest import labkit_cli
 
 TP_FLOAT64 = """
-import copy, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
-from labkit.config.run import RunConfig
-from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
-from labkit.parallel.compose import tp_plan
-from labkit.worker.distributed import exit_now
+def _tp_float64():   # the tutorial model in float64, cut by TP over both ranks, against itself uncut
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from labkit.config.run import RunConfig
+    from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
+    from labkit.parallel.compose import tp_plan
 
-dist.init_process_group("gloo")
-cfg = RunConfig(schedule="1F1B", preset="tiny")
-full = build_model(cfg).double()
-ref = copy.deepcopy(full)
-x, y = make_batch(cfg)
-parallelize_module(full, init_device_mesh("cpu", (2,)), tp_plan(full))
-tokenwise_loss_fn(full(x).double(), y).backward()
-tokenwise_loss_fn(ref(x).double(), y).backward()
-worst = max(float(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - q.grad).abs().max())
-            for p, q in zip(full.parameters(), ref.parameters()))
-if dist.get_rank() == 0:
-    print("WORST", worst)
-dist.destroy_process_group()
-exit_now(0)  # as the kit's jobs end: torch's gloo + DTensor teardown can abort at exit (diagnose.TEARDOWN_HINT)
+    cfg = RunConfig(schedule="1F1B", preset="tiny")
+    full = build_model(cfg).double()
+    ref = copy.deepcopy(full)
+    x, y = make_batch(cfg)
+    parallelize_module(full, init_device_mesh("cpu", (2,)), tp_plan(full))
+    tokenwise_loss_fn(full(x).double(), y).backward()
+    tokenwise_loss_fn(ref(x).double(), y).backward()
+    return max(float(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - q.grad).abs().max())
+               for p, q in zip(full.parameters(), ref.parameters()))
+
+_tp_float64()
 """
 
 
 @pytest.mark.launches
-def test_tensor_parallel_gradients_are_exact_in_float64(runs, tmp_path):
-    script = tmp_path / "tp64.py"
-    script.write_text(textwrap.dedent(TP_FLOAT64))
-    r = subprocess.run(labkit_cli("launch", "--nproc", "2", "--quiet", "--out", str(runs / "tp64"), str(script)),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    worst = float(r.stdout.split("WORST")[1].split()[0])
-    assert worst < 1e-12, worst
+def test_tensor_parallel_gradients_are_exact_in_float64():
+    """On the suite's warm 2-rank pool (conftest.live_ranks): a numerics check, not a launch's."""
+    from conftest import live_ranks
+
+    pool = live_ranks(2)
+    try:
+        worst = pool.exec(TP_FLOAT64)
+    finally:
+        pool.exec("del _tp_float64")
+    assert max(worst.values()) < 1e-12, worst
 
 
 COMPOSED = {  # 4 ranks each: real runs, one after the other in one job (conftest.run_suite)
