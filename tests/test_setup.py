@@ -368,3 +368,27 @@ def test_leg_2_runs_after_leg_1_unless_asked_to_run_beside(monkeypatch, flags, i
     assert dev.test_legs([*flags, "-x"], "2.15.0") == 0
     assert seen["argv"] == ["-x"] and (seen["after"] is not None) is in_turn, seen
     assert seen["workers"] == dev.test_workers(), seen  # each leg on the same workers
+
+
+def test_two_workers_get_whole_units_longest_first(monkeypatch):
+    """dev.py test's parallel pass: 2 workers on 2 cores, each file one unit (a notebook's cells in
+    order on one kernel), every file on the suite's shared pools ONE unit (the pools start once per
+    leg), the longest units first; the serial pass runs alone without workers."""
+    import conftest
+
+    dev = _dev_module()
+    monkeypatch.delenv("PPLAB_TEST_WORKERS", raising=False)
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 2)
+    assert dev.test_workers() == 2
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 1)
+    assert dev.test_workers() == 1
+    cmd = dev.pytest_command(dev.VENV, ("tests",), [], workers=2)
+    assert cmd[cmd.index("-n") + 1] == "2" and cmd[cmd.index("--dist") + 1] == "loadgroup"
+    assert "--no-loadscope-reorder" in cmd and "not serial" in cmd
+    serial = dev.pytest_command(dev.VENV, ("tests",), [], workers=2, serial=True)
+    assert "-n" not in serial and serial[len(serial) - 1 - serial[::-1].index("-m") + 1] == "serial"
+    unit = conftest.work_unit
+    assert unit("tests/test_noise.py::test_x") == unit("tests/test_reference_runs.py::test_y[a]") == conftest.POOLS_UNIT
+    assert unit("tests/test_bench.py::test_live_ranks_bench") == "tests/test_bench.py"  # bench.live_ranks( is no pool
+    assert unit("notebooks/05_schedules_multistage.ipynb::Cell 3") == "notebooks/05_schedules_multistage.ipynb"
+    assert max(conftest.UNIT_SECONDS, key=conftest.UNIT_SECONDS.get) == conftest.POOLS_UNIT
