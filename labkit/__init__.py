@@ -7,16 +7,6 @@
 
 __version__ = "0.1.0"
 
-# Every public name is imported when first used. `import labkit` runs in every process of a job:
-# the torchrun agent (torch loads the kit's rendezvous plugin, labkit.launching.rendezvous), every
-# rank (the spans' sitecustomize loads labkit.spans.record) and `labkit launch`; none of them needs
-# the launcher, the explorer or the live ranks, and importing them all cost ~0.25 s in each.
-_HOME = {"PRESETS": "config.presets", "SCHEDULES": "schedules.table", "ConfigError": "core.errors",
-         "RunConfig": "config.run", "LaunchError": "launching.launch", "Run": "launching.launch",
-         "launch": "launching.launch", "run": "launching.launch", "explorer": "notebook.explorer",
-         "Ranks": "ranks", "RanksError": "ranks"}  # live ranks: labkit.Ranks(nproc=2), %%ranks after %load_ext labkit
-__all__ = sorted(_HOME)
-
 # torch's heavy imports with Python's cyclic collector paused, in whatever process imports the kit
 # before torch (a notebook's kernel, the `labkit` command): about a second less of CPU per process
 # (labkit.core.startup; LABKIT_GC_PAUSE=0 turns it off). The launcher's processes get it from the
@@ -25,18 +15,27 @@ from .core.startup import pause_heavy_imports as _pause  # noqa: E402
 
 _pause()
 
+from .core import exports as _exports  # noqa: E402
 
-def __getattr__(name):
-    from importlib import import_module  # not `from . import x`: that asks this hook again
-
-    if name in _HOME:
-        return getattr(import_module(f".{_HOME[name]}", __name__), name)
-    try:  # a subpackage (labkit.notebook, labkit.theory, ...) used as an attribute after `import labkit`
-        return import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+# The lesson API's face (README, "The lesson API"). Each name is imported when first used: `import labkit`
+# runs in every process of a job (the torchrun agent loads the kit's rendezvous plugin, every rank loads
+# labkit.spans.record) and none of them needs the launcher, the explorer, the live ranks or torch.
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".config.run": ("RunConfig",),
+    ".config.presets": ("PRESETS",),
+    ".schedules.table": ("SCHEDULES",),
+    ".core.errors": ("ConfigError",),
+    ".launching.launch": ("launch", "run"),
+    ".launching.rundir": ("LaunchError", "Run", "new_run_dir"),
+    ".launching.sweep": ("sweep",),
+    ".launching.controlled": ("run_controlled",),
+    ".ranks.pool": ("Ranks", "RanksError", "current"),  # labkit.Ranks(nproc=2); %%ranks after %load_ext labkit
+    ".ranks.suite": ("run_configs",),
+    ".ranks.choose": ("ChoiceTable", "measure_choices", "plot_choice"),
+    ".worker.reference": ("CheckStepError", "check_step"),
+    ".notebook.explorer": ("explorer",),
+    ".": ("versions",),  # which torch this is and what it has: versions.has("WAIT actions"), versions.installed()
+})
 
 
 def load_ipython_extension(ip) -> None:

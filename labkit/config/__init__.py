@@ -3,6 +3,6 @@ about a valid run (`run`). Imports no torch.
 
 May import: labkit.core, labkit.schedules, labkit.versions."""
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.config.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__)  # labkit.config.<module> after `import labkit`

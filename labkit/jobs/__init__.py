@@ -6,6 +6,6 @@ May import: labkit.core, labkit.versions, labkit.schedules, labkit.config, labki
 labkit.spans (recording). Never the launcher's side (labkit.launching) nor the notebook face.
 """
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.jobs.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__)  # labkit.jobs.<module> after `import labkit`

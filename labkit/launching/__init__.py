@@ -8,6 +8,6 @@ May import: labkit.core, labkit.versions, labkit.logs (the log format), labkit.s
 labkit.config, labkit.models (the controlled workload's config), labkit.timeline (a Run's timeline).
 """
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.launching.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__)  # labkit.launching.<module> after `import labkit`

@@ -6,28 +6,14 @@ torch.profiler traces (profiler).
 May import: labkit.core only.
 """
 
-_HOMES = {"gaps": ("CAUSES", "IdleReport", "explain_idle"),
-          "intervals": ("WAITS", "timeline_from_path", "to_timeline", "trim_waits"),
-          "messages": ("END", "START", "Event", "decode_action", "decode_message"),
-          "files": ("log_files", "parse_files", "parse_run_dir", "rank_from_path"),
-          "parse": ("parse_lines",),
-          "profiler": ("actions_from_trace", "profile_files", "timeline_from_profile")}
-_HOME = {name: module for module, names in _HOMES.items() for name in names}
+from ..core import exports as _exports
 
-
-def __getattr__(name):
-    # Each name is imported from its module when first used: the launcher needs only the log format
-    # (labkit.logs.parse), not the readers, and importing them all would slow every launch.
-    from importlib import import_module
-
-    if name in _HOME:
-        return getattr(import_module(f".{_HOME[name]}", __name__), name)
-    from ..core import submodules
-
-    return submodules(__name__)(name)  # a module of the package, used as labkit.logs.gaps after `import labkit`
-
-__all__ = [
-    "CAUSES", "END", "IdleReport", "START", "WAITS", "explain_idle", "Event", "actions_from_trace", "decode_action", "decode_message", "log_files",
-    "parse_files", "parse_lines", "parse_run_dir", "profile_files", "rank_from_path", "timeline_from_path",
-    "timeline_from_profile", "to_timeline", "trim_waits",
-]
+# the launcher needs only the log format (labkit.logs.parse), not the readers
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".parse": ("PP_LOG_FORMAT", "parse_lines"),
+    ".files": ("log_files", "parse_files", "parse_run_dir", "rank_from_path"),
+    ".messages": ("END", "START", "Event", "decode_action", "decode_message"),
+    ".intervals": ("WAITS", "timeline_from_path", "to_timeline", "trim_waits"),
+    ".gaps": ("CAUSES", "IdleReport", "explain_idle"),
+    ".profiler": ("actions_from_trace", "profile_files", "timeline_from_profile"),
+})

@@ -15,6 +15,12 @@ May import: labkit.core, labkit.schedules, labkit.config, labkit.worker (stages,
 a model does not launch (the controlled workload's runner is labkit.launching.controlled).
 """
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.models.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".tutorial": ("Transformer", "build_model", "make_batch", "tokenwise_loss_fn"),
+    ".workload": ("TimedBlock", "WorkloadConfig", "mse"),
+    ".balance": ("balance", "balance_config", "stage_sums"),
+    ".skips": ("carry_skips",),
+    ".": ("hf",),
+})

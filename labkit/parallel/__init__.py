@@ -5,6 +5,9 @@ Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`).
 May import: labkit.core, labkit.worker (process groups, collectives).
 """
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.parallel.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".compose": ("full_grads", "tp_plan"),
+    ".checkpoint": ("clip_grad_norm", "saved_names"),
+})

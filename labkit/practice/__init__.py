@@ -15,8 +15,9 @@ Runs inside the ranks (live ranks' cells).
 May import: labkit.worker (reference, memory). Never the launching side.
 """
 
-from .loss import check_token_step, fit_weights, token_loss, token_sum_loss, valid_tokens
-from .measure import SentBytes, WeightCopies, fresh_tracker, rank_peak, time_steps
+from ..core import exports as _exports
 
-__all__ = ["check_token_step", "fit_weights", "token_loss", "token_sum_loss", "valid_tokens",
-           "SentBytes", "WeightCopies", "fresh_tracker", "rank_peak", "time_steps"]
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".loss": ("check_token_step", "fit_weights", "token_loss", "token_sum_loss", "valid_tokens"),
+    ".measure": ("SentBytes", "WeightCopies", "fresh_tracker", "rank_peak", "time_steps"),
+})

@@ -10,10 +10,6 @@ May import: labkit.core, labkit.logs, labkit.schedules, labkit.spans, labkit.con
 labkit.timeline, labkit.launching (the torchrun launch of the pool).
 """
 
-from .pool import Ranks, RanksError, current
+from ..core import exports as _exports
 
-__all__ = ["Ranks", "RanksError", "current"]
-
-from ..core import submodules as _submodules
-
-__getattr__ = _submodules(__name__)  # labkit.ranks.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__, {".pool": ("Ranks", "RanksError", "current")})

@@ -13,21 +13,11 @@ Taught in notebook 06b.
 May import: labkit.core, labkit.logs (idle causes).
 """
 
-from .paths import BOOT_DIR, SPANS_DIR_VAR, span_files
+from ..core import exports as _exports
 
-__all__ = ["BOOT_DIR", "SPANS_DIR_VAR", "span_files", "read_spans", "timeline_from_spans", "explain_idle_spans",
-           "explain_idle_by_pipeline", "has_spans"]
-
-
-def __getattr__(name):  # the readers import labkit.core.timeline; keep `import labkit.spans` light for the launcher
-    if name in ("read_spans", "timeline_from_spans", "has_spans", "Span"):
-        from . import read
-
-        return getattr(read, name)
-    if name in ("explain_idle_spans", "explain_idle_by_pipeline"):
-        from . import idle
-
-        return getattr(idle, name)
-    from ..core import submodules
-
-    return submodules(__name__)(name)  # a module of the package: labkit.spans.read after `import labkit`
+# the readers import labkit.core.timeline and `record` imports torch: `import labkit.spans` stays light for the launcher
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".paths": ("BOOT_DIR", "SPANS_DIR_VAR", "span_files"),
+    ".read": ("Span", "has_spans", "read_spans", "time_by_kind", "timeline_from_spans", "without_descheduling"),
+    ".idle": ("DESCHEDULED", "explain_idle_by_pipeline", "explain_idle_spans"),
+})

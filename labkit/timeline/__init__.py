@@ -4,6 +4,13 @@ drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The da
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.timeline.<module> after `import labkit`
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".compare": ("Shape", "compute_steps", "fitted_ideal", "load_timeline", "measured_vs_ideal_by_pipeline", "one_step",
+                 "order_ideal"),
+    ".plot": ("plot_bubble_sweep", "plot_idle_causes", "plot_memory", "plot_pipelines", "plot_side_by_side",
+              "plot_step_times", "plot_timeline"),
+    ".frontier": ("plot_frontier",),
+    ".perfetto": ("write_chrome_trace",),
+})

@@ -4,6 +4,14 @@ stages (`stages`), the whole-batch reference check (`reference`), memory measure
 May import: labkit.core, labkit.versions, labkit.schedules, labkit.theory, labkit.config, labkit.spans
 (recording). Never the launcher's side (labkit.launching)."""
 
-from ..core import submodules as _submodules
+from ..core import exports as _exports
 
-__getattr__ = _submodules(__name__)  # labkit.worker.<module> after `import labkit`
+# the step check itself is public at the top: labkit.check_step (labkit.worker.reference)
+__getattr__, __dir__, __all__ = _exports(__name__, {
+    ".stages": ("manual_stage_module", "runtime_from_csv", "stage_input_example"),
+    ".reference": ("float64_reference", "microbatched_reference", "stage_grads", "whole_batch_reference"),
+    ".memory": ("SavedTensorTracker", "torch_liveness"),
+    ".distributed": ("annotate_stages", "run_dir"),
+    ".noise": ("NOISE_MULTIPLE", "Figure", "figure"),
+    ".": ("distributed",),
+})
