@@ -74,7 +74,7 @@ class Timeline:
         start = min(a.start for a in comp)
         makespan = max(a.end for a in comp) - start
         ranks = sorted({a.rank for a in comp})
-        busy = {r: union_length([(a.start, a.end) for a in comp if a.rank == r]) for r in ranks}
+        busy = {r: float(union_length([(a.start, a.end) for a in comp if a.rank == r])) for r in ranks}
         idle = {r: makespan - busy[r] for r in ranks}
         total_busy, total_idle = sum(busy.values()), sum(idle.values())
         durations: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -122,18 +122,23 @@ class Timeline:
                 "metrics": t.metrics(), "source": self.source, "meta": self.meta}
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by intervals (overlaps counted once: a rank is busy or not)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+def union_length(intervals, lo: float | None = None, hi: float | None = None):
+    """Total length covered by (start, end) intervals, overlaps counted once: a rank's busy time, the
+    bytes a tensor's views cover (`labkit.worker.memory`), the part of an idle gap a wait covers
+    (`labkit.logs.gaps`, `labkit.spans.idle`). With `lo` / `hi`, only the part inside [lo, hi].
+    Empty intervals (end <= start) cover nothing; whole numbers in give a whole number out."""
+    if lo is not None or hi is not None:
+        intervals = [(a if lo is None else max(a, lo), b if hi is None else min(b, hi)) for a, b in intervals]
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
     return total
 
 

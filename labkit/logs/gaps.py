@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.timeline import Action, Timeline
+from ..core.timeline import Action, Timeline, union_length
 from .intervals import _by_rank, _send_times, to_timeline
 from .messages import Event
 
@@ -110,18 +110,6 @@ class IdleReport:
         return "\n".join(lines)
 
 
-def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of [lo, hi] covered by the union of `intervals`."""
-    pieces = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
-    total, end = 0.0, lo
-    for a, b in pieces:
-        a = max(a, end)
-        if b > a:
-            total += b - a
-            end = b
-    return total
-
-
 def _needs_from(a: Action, n_stages: int) -> tuple[str, int] | None:
     """(family, receiving stage) of the tensor action `a` waits for, or None (first forward, last backward)."""
     if a.kind == "F":
@@ -166,7 +154,7 @@ def explain_idle(events: list[Event], cores: int | None = None, ranks_per_machin
                 if ts and ts[-1] > g0:
                     wait = min(ts[-1], g1) - g0
             rest_start = g0 + wait
-            in_comm = _covered(comm, rest_start, g1)
+            in_comm = union_length(comm, rest_start, g1)
             causes["waiting for a neighbour"] += wait
             causes["sends and receives"] += in_comm
             causes["runtime overhead"] += (g1 - rest_start) - in_comm

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..logs.gaps import CAUSES, IdleReport, _covered
-from ..core.timeline import COMPUTE_KINDS
+from ..core.timeline import COMPUTE_KINDS, union_length
+from ..logs.gaps import CAUSES, IdleReport
 from .read import Span, read_spans, recorded_pipelines, select_step
 
 __all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
@@ -82,9 +82,9 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
                 busy_until, rq_until = s.end, (s.rq[1] if clocked else 0.0)
             if g1 <= g0:
                 continue
-            wait = _covered(waits, g0, g1)
-            in_comm = _covered(comm, g0, g1) - _overlap(waits, comm, g0, g1)
-            own = _covered(waits + comm + kit, g0, g1) - (wait + in_comm)  # none of it inside a wait or a post
+            wait = union_length(waits, g0, g1)
+            in_comm = union_length(comm, g0, g1) - _overlap(waits, comm, g0, g1)
+            own = union_length(waits + comm + kit, g0, g1) - (wait + in_comm)  # none of it inside a wait or a post
             rest = (g1 - g0) - wait - in_comm - own
             gap = {"start": g0 - start, "end": g1 - start, "before": f"{s.stage}{s.kind}{s.mb}",
                    "waiting for a neighbour": wait, "sends and receives": in_comm, INSTRUMENT: own}
@@ -129,7 +129,7 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]], lo: flo
     """Length of [lo, hi] covered by both unions (a wait inside a post, which nesting cannot make: 0
     in practice; kept so that the causes never count a moment twice)."""
     both = [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b if min(x1, y1) > max(x0, y0)]
-    return _covered(both, lo, hi)
+    return union_length(both, lo, hi)
 
 
 @dataclass

@@ -7,6 +7,8 @@ for one microbatch until its backward (why 1F1B holds fewer microbatches than GP
 
 from __future__ import annotations
 
+from ..core.timeline import union_length  # bytes covered by (first, end) ranges
+
 
 def param_groups(module) -> dict[str, int]:
     """Parameter elements of `module` per owning block, in model order: `{"tok_embeddings": 2048, "layers.0": ...}`.
@@ -31,19 +33,6 @@ def byte_range(t) -> tuple[int, int, int]:
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
     first = t.storage_offset() * size
     return t.untyped_storage().data_ptr(), first, first + span * size
-
-
-def union_length(ranges) -> int:
-    """Bytes covered by (first, end) ranges, overlaps counted once."""
-    total, end = 0, None
-    for a, b in sorted(ranges):
-        if end is None or a >= end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
 
 
 def param_storages(module) -> set[int]:
