@@ -47,3 +47,19 @@ def test_the_tutorials_own_run_as_notebook_06_reads_it():
     assert report.share(1, "fill / drain") > 0.25 and report.share(0, "waiting for a neighbour") > 0.2
     forwards = [a.duration for a in sorted(tl.compute(), key=lambda a: a.start) if a.rank == 0 and a.kind == "F"]
     assert forwards[0] > 2 * max(forwards[1:])
+
+
+def test_idle_gaps_is_the_one_walk_both_readings_share():
+    """The gaps between a rank's actions: an action inside another leaves none, the latest-ending one
+    opens the next gap, and its idle time is the makespan less the busy union (`union_length`)."""
+    from labkit.core.timeline import Action, union_length
+    from labkit.logs.gaps import idle_gaps
+    from labkit.spans import idle
+
+    acts = [Action(0, 0, 0, "F", 0.0, 4.0), Action(0, 0, 1, "F", 1.0, 2.0), Action(0, 0, 0, "B", 5.0, 6.0),
+            Action(0, 0, 1, "B", 8.0, 9.0)]
+    gaps = list(idle_gaps(reversed(acts)))
+    assert [(g0, g1, a.kind + str(a.microbatch), b.kind + str(b.microbatch)) for g0, g1, a, b in gaps] == [
+        (4.0, 5.0, "F0", "B0"), (6.0, 8.0, "B0", "B1")]
+    assert sum(g1 - g0 for g0, g1, _, _ in gaps) == 9.0 - union_length([(a.start, a.end) for a in acts])
+    assert list(idle_gaps([])) == [] and idle.idle_gaps is idle_gaps

@@ -21,6 +21,7 @@ runtime gets to it; see notebook 06). `IdleReport.text()` says it in words; note
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..core.timeline import Action, Timeline, union_length
@@ -110,6 +111,22 @@ class IdleReport:
         return "\n".join(lines)
 
 
+def idle_gaps(actions) -> Iterator[tuple[float, float, object, object]]:
+    """The gaps between one rank's actions (anything with `.start` and `.end`: an `Action`, a span), in
+    time order, as (start, end, opened_by, closed_by): `opened_by` is the action whose end opens the gap
+    (the latest-ending one so far), `closed_by` the one whose start ends it. Overlapping actions leave no
+    gap; the time before the first and after the last (fill / drain) is not a gap. The one walk both
+    idle readings share: `explain_idle` (logs) and `labkit.spans.idle.explain_idle_spans` (spans)."""
+    mine = sorted(actions, key=lambda a: (a.start, a.end))
+    latest = mine[0] if mine else None
+    for a in mine[1:]:
+        opened_by = latest
+        if a.end > latest.end:
+            latest = a
+        if a.start > opened_by.end:
+            yield opened_by.end, a.start, opened_by, a
+
+
 def _needs_from(a: Action, n_stages: int) -> tuple[str, int] | None:
     """(family, receiving stage) of the tensor action `a` waits for, or None (first forward, last backward)."""
     if a.kind == "F":
@@ -140,12 +157,7 @@ def explain_idle(events: list[Event], cores: int | None = None, ranks_per_machin
         causes = dict.fromkeys(CAUSES, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(a.end for a in mine))
         gaps = 0
-        busy_until = mine[0].end
-        for a in mine[1:]:
-            g0, g1 = busy_until, a.start
-            busy_until = max(busy_until, a.end)
-            if g1 <= g0:
-                continue
+        for g0, g1, _, a in idle_gaps(mine):
             gaps += 1
             wait = 0.0
             need = _needs_from(a, n_stages)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.timeline import COMPUTE_KINDS, union_length
-from ..logs.gaps import CAUSES, IdleReport
+from ..logs.gaps import CAUSES, IdleReport, idle_gaps
 from .read import Span, read_spans, recorded_pipelines, select_step
 
 __all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
@@ -74,14 +74,8 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
         causes = dict.fromkeys(report.causes, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))
         gaps = []
-        busy_until, rq_until = mine[0].end, (mine[0].rq[1] if clocked else 0.0)
-        for s in mine[1:]:
-            g0, g1 = busy_until, s.start
-            queued = (s.rq[0] - rq_until) if clocked else 0.0  # seconds in the gap runnable without a CPU
-            if s.end > busy_until:
-                busy_until, rq_until = s.end, (s.rq[1] if clocked else 0.0)
-            if g1 <= g0:
-                continue
+        for g0, g1, last, s in idle_gaps(mine):
+            queued = (s.rq[0] - last.rq[1]) if clocked else 0.0  # seconds in the gap runnable without a CPU
             wait = union_length(waits, g0, g1)
             in_comm = union_length(comm, g0, g1) - _overlap(waits, comm, g0, g1)
             own = union_length(waits + comm + kit, g0, g1) - (wait + in_comm)  # none of it inside a wait or a post
