@@ -1,8 +1,8 @@
 """Why a job failed: which rank failed first and with what, where each rank was at a deadline.
 
 Reads what torchrun leaves (per-rank error.json from @record, the launcher's failure summary) and
-the faulthandler dumps in the rank logs. Also the one parser of Python stack frames (notebook 09
-reads a hung job's stacks with it).
+the faulthandler dumps in the rank logs. Also the one parser of Python stack frames, `parse_frames`
+(`labkit.notebook.helpers.stack_frames` shows a hung job's stacks with it, notebook 09).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _CONSEQUENCE = re.compile(r"Connection closed by peer|remote worker crashing|Con
                           r"NCCL communicator was aborted|SignalException|Socket Timeout", re.I)
 
 
-def stack_frames(text: str) -> list[tuple[str, int, str]]:
+def parse_frames(text: str) -> list[tuple[str, int, str]]:
     """(file, line, function) of every frame line in a faulthandler dump, innermost first."""
     return [(m.group(1), int(m.group(2)), m.group(3)) for m in map(FRAME.match, text.splitlines()) if m]
 
@@ -118,7 +118,7 @@ def stack_report(run: Run) -> dict[int, str]:
             continue
         dump = text[i:]
         dumps.append(f"=== rank {rank} ===\n{dump}")
-        frames = stack_frames(current_thread(dump))
+        frames = parse_frames(current_thread(dump))
         if not frames:
             where[rank] = "stack dump has no Python frames"
             continue

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from ..core.shown import shown
-from ..launching.diagnose import stack_frames as diagnose_frames
+from ..launching.diagnose import parse_frames
 from ..worker.memory import param_groups, saved_activation_bytes
 from ..schedules.orders import format_order, order_csv, peak_in_flight, rank_orders, torch_actions
 
@@ -205,13 +205,13 @@ def _current_threads(stacks_text: str) -> dict[int, str]:
 def stack_frames(stacks_text: str, file_contains: str | None = None) -> dict[int, list[str]]:
     """Each rank's current-thread frames from a `stacks.txt` (innermost first), as `"hang.py:26 in load_next_batch"`.
 
-    Frames are read by the launcher's own parser (`labkit.launching.diagnose.stack_frames`).
+    Frames are read by the launcher's own parser (`labkit.launching.diagnose.parse_frames`).
     `file_contains` keeps only frames whose file name contains it (e.g. your script's name), which
     leaves out torch's own frames and their version-dependent line numbers (notebook 09).
     """
     out: dict[int, list[str]] = {}
     for rank, text in _current_threads(stacks_text).items():
-        names = ((Path(f).name, line, func) for f, line, func in diagnose_frames(text))
+        names = ((Path(f).name, line, func) for f, line, func in parse_frames(text))
         out[rank] = [f"{name}:{line} in {func}" for name, line, func in names
                      if file_contains is None or file_contains in name]
     return out
