@@ -14,7 +14,7 @@ May import: labkit.core, labkit.schedules.
 from ..core import exports as _exports
 
 __getattr__, __dir__, __all__ = _exports(__name__, {
-    "..schedules.orders": ("ScheduleError", "check_order"),
+    "..schedules.orders": ("ScheduleError", "check_order", "parse_action"),
     "..schedules.table": ("layer_bounds", "stage_placement"),
     ".plans": ("mock_schedule", "planned_actions"),
     ".simulate": ("ScheduleDeadlock", "simulate", "simulate_order", "theory_json"),
