@@ -518,7 +518,7 @@ def compare_spans(run_dir: Path, device: str) -> tuple[str, str, dict]:
     """The last (warm) step's actions from the kit's spans against the profiler's view of the same actions
     in the same run: on CUDA the kernels each action launched (device times), on CPU the CPU operators
     inside it; the kit's own host-side annotations (`labkit::<stage><kind><mb>`) beside both."""
-    from labkit.core.timeline import COMPUTE_KINDS
+    from labkit.core.actions import COMPUTE_KINDS
     from labkit.logs.profiler import profile_files
     from labkit.timeline.compare import load_timeline, one_step
 
@@ -560,7 +560,7 @@ def profiler_windows(trace: dict, inner: str):
     """Per `labkit::` annotation of a profiler trace: its host range, and the window of the work inside
     it (`inner`: "kernels" or "cpu_ops", see `kernels_inside` and `cpu_ops_inside`). Times in seconds on
     the trace's own clock, its `baseTimeNanoseconds` added: the host clock the spans use."""
-    from labkit.core.timeline import Action
+    from labkit.core.actions import Action
     from labkit.logs.messages import decode_action
     from labkit.logs.profiler import ANNOTATION_PREFIX
 
@@ -630,7 +630,7 @@ def compare_actions(spans, other) -> dict:
     """How far `other` (a profiler view) is from the spans, action by action: start and end offsets,
     duration differences (microseconds), the share of actions whose `other` window is no longer than
     the span (within 10 us + 2%: a span brackets its action's work), and each side's bubble fraction."""
-    from labkit.core.timeline import Timeline
+    from labkit.core.actions import Timeline
 
     a, b = last_by_key(spans), last_by_key(other)
     common = sorted(set(a) & set(b))

@@ -52,7 +52,7 @@ def test_the_tutorials_own_run_as_notebook_06_reads_it():
 def test_idle_gaps_is_the_one_walk_both_readings_share():
     """The gaps between a rank's actions: an action inside another leaves none, the latest-ending one
     opens the next gap, and its idle time is the makespan less the busy union (`union_length`)."""
-    from labkit.core.timeline import Action, union_length
+    from labkit.core.actions import Action, union_length
     from labkit.logs.gaps import idle_gaps
     from labkit.spans import idle
 

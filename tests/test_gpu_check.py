@@ -124,7 +124,7 @@ def cuda_trace() -> dict:
 
 
 def test_kernel_windows_are_matched_to_their_actions_by_correlation():
-    from labkit.core.timeline import Action
+    from labkit.core.actions import Action
 
     m = gpu_check_module()
     host, kernels = m.profiler_windows(cuda_trace(), "kernels")

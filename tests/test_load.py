@@ -18,7 +18,7 @@ import pytest
 from conftest import module_pool
 from labkit.spans.idle import CPU_CAUSES, DESCHEDULED, SPAN_CAUSES, explain_idle_spans
 from labkit.spans.read import Span, machine_load, without_descheduling
-from labkit.core.timeline import Action, Timeline
+from labkit.core.actions import Action, Timeline
 
 
 def test_run_queue_time_between_actions_is_its_own_cause():

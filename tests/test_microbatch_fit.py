@@ -4,7 +4,7 @@
 import pytest
 
 from labkit.core.errors import ConfigError
-from labkit.core.timeline import Action, Timeline
+from labkit.core.actions import Action, Timeline
 from labkit.theory import simulate
 from labkit.theory.microbatches import action_durations, fit_microbatch_costs, ideal_step_times
 

@@ -286,7 +286,7 @@ def test_custom_schedule_reads_its_csv_with_the_kits_rules(tmp_path):
 def test_saved_tensor_tracker_counts_each_microbatch_until_its_backward():
     import torch
 
-    from labkit.core.timeline import union_length
+    from labkit.core.actions import union_length
     from labkit.worker.memory import SavedTensorTracker, byte_range
     from labkit.models.workload import TimedBlock
 

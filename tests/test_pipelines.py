@@ -11,7 +11,7 @@ from labkit.timeline.compare import compute_steps, one_step, pipelines_vs_ideal,
 from labkit.spans.idle import IdleByPipeline, explain_idle_by_pipeline
 from labkit.spans.read import timeline_from_spans
 from labkit.theory import Cost, simulate
-from labkit.core.timeline import Action, Timeline, group_pipelines, split_timeline
+from labkit.core.actions import Action, Timeline, group_pipelines, split_timeline
 
 
 def test_pipelines_are_the_groups_the_ranks_recorded():

@@ -24,7 +24,7 @@ from labkit.timeline.plot import (
     plot_timeline,
 )
 from labkit.theory import Cost, fit_cost, simulate  # noqa: E402
-from labkit.core.timeline import Action, Timeline  # noqa: E402
+from labkit.core.actions import Action, Timeline  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -17,7 +17,7 @@ import pytest
 
 from labkit import logs
 from labkit.logs.parse import _Parser
-from labkit.core.timeline import COMPUTE_KINDS
+from labkit.core.actions import COMPUTE_KINDS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pplogs"
 ALL = sorted(d for d in FIXTURES.glob("*/*") if (d / "result.json").is_file())

@@ -7,7 +7,7 @@ import pytest
 
 from labkit.timeline.compare import Shape, fitted_ideal, pipelines_vs_ideal, uniform_ideal
 from labkit.theory import Cost, StageCosts, closed_form_bubble, fit_cost, fit_stage_costs, simulate
-from labkit.core.timeline import Timeline
+from labkit.core.actions import Timeline
 
 UNEVEN = StageCosts(((0, Cost(F=0.010, B=0.008)), (1, Cost(F=0.010, B=0.016)), (2, Cost(F=0.010, B=0.020)),
                      (3, Cost(F=0.010, B=0.028))), default=Cost(F=0.010, B=0.018), unit="s")

@@ -21,7 +21,7 @@ from labkit.theory import (
     simulate_order,
     theory_json,
 )
-from labkit.core.timeline import Action, Timeline
+from labkit.core.actions import Action, Timeline
 
 SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble"}  # I and W for every microbatch, never B
 MIXED_BACKWARD = {"DualPipeV"}  # B for some microbatches, I + W for the others

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..core.timeline import Action, Timeline, union_length
+from ..core.actions import Action, Timeline, union_length
 from .intervals import _by_rank, _send_times, to_timeline
 from .messages import Event
 

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from ..core.timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.actions import COMPUTE_KINDS, Action, Timeline
 from .messages import END, TIMELINE_KINDS, Event
 from .files import log_files, parse_files
 from .parse import gc_paused

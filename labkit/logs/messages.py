@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from ..core.timeline import COMM_KINDS, COMPUTE_KINDS
+from ..core.actions import COMM_KINDS, COMPUTE_KINDS
 
 __all__ = ["Event", "START", "END", "TIMELINE_KINDS", "decode_action", "decode_message"]
 

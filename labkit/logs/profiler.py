@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..core.errors import ConfigError
-from ..core.timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.actions import COMPUTE_KINDS, Action, Timeline
 from .messages import decode_action
 
 __all__ = ["ANNOTATION_PREFIX", "actions_from_trace", "profile_files", "timeline_from_profile"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..logs import decode_action
-from ..core.timeline import COMM_KINDS, COMPUTE_KINDS
+from ..core.actions import COMM_KINDS, COMPUTE_KINDS
 
 __all__ = [
     "PlannedAction", "ScheduleError", "parse_action", "describe", "normalize_order", "check_order",

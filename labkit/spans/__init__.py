@@ -15,7 +15,7 @@ May import: labkit.core, labkit.logs (idle causes).
 
 from ..core import exports as _exports
 
-# the readers import labkit.core.timeline and `record` imports torch: `import labkit.spans` stays light for the launcher
+# the readers import labkit.core.actions and `record` imports torch: `import labkit.spans` stays light for the launcher
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".paths": ("BOOT_DIR", "SPANS_DIR_VAR", "span_files"),
     ".read": ("Span", "has_spans", "read_spans", "time_by_kind", "timeline_from_spans", "without_descheduling"),

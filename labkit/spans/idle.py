@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.timeline import COMPUTE_KINDS, union_length
+from ..core.actions import COMPUTE_KINDS, union_length
 from ..logs.gaps import CAUSES, IdleReport, idle_gaps
 from .read import Span, read_spans, recorded_pipelines, select_step
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-from ..core.timeline import COMPUTE_KINDS, Action, Timeline, union_length
+from ..core.actions import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
 __all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead",
@@ -116,10 +116,10 @@ def select_step(spans: list[Span], which: str | int = "all") -> list[Span]:
 
 
 def recorded_pipelines(spans: list[Span], meta: dict[int, dict]) -> list[list[int]] | None:
-    """The pipelines the ranks of `spans` formed (`labkit.core.timeline.group_pipelines` over the group each
+    """The pipelines the ranks of `spans` formed (`labkit.core.actions.group_pipelines` over the group each
     rank recorded for its last step among `spans`), or None when no rank recorded one (spans from
     before the kit recorded it)."""
-    from ..core.timeline import group_pipelines
+    from ..core.actions import group_pipelines
 
     groups = {}
     for rank in sorted({s.rank for s in spans}):

@@ -153,7 +153,7 @@ class Recorder:
                 self.meta_written.add(self.path)
                 f.write(json.dumps({"meta": self.meta()}) + "\n")
             begin = {"begin_step": step, "schedule": self.schedule}
-            if pipeline:  # which ranks form this rank's pipeline (labkit.core.timeline.group_pipelines)
+            if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
                 begin["pipeline"] = pipeline
             f.write(json.dumps(begin) + "\n")
             for kind, stage, mb, s, e, what, pre, post, pieces, cpu in rows:

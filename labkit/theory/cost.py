@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..core.errors import ConfigError
 from ..schedules.orders import ScheduleError
-from ..core.timeline import COMPUTE_KINDS, Timeline
+from ..core.actions import COMPUTE_KINDS, Timeline
 from ..schedules.table import validate_sizes
 
 _COST_KEYS = {"f": "F", "b": "B", "i": "I", "w": "W", "p2p": "p2p"}

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError
-from ..core.timeline import COMPUTE_KINDS
+from ..core.actions import COMPUTE_KINDS
 from .cost import Cost
 from .simulate import simulate
 

@@ -14,7 +14,7 @@ from typing import Iterable
 from ..core.errors import ConfigError
 from ..schedules.table import ScheduleInfo, schedule_info, stage_placement, validate_sizes, validate_schedule
 from ..schedules.orders import PlannedAction, ScheduleError
-from ..core.timeline import COMPUTE_KINDS
+from ..core.actions import COMPUTE_KINDS
 
 
 def resolve(schedule: str, pp_size, n_microbatches, stages_per_rank: int | None) -> tuple[ScheduleInfo, int]:

@@ -49,7 +49,7 @@ from itertools import chain, product
 
 from ..core.errors import ConfigError
 from ..schedules.orders import PlannedAction, check_order, normalize_order, order_csv
-from ..core.timeline import Timeline
+from ..core.actions import Timeline
 from .bounds import period_bound  # re-exported
 from .cost import Cost
 from .polish import polish

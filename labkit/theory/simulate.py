@@ -10,7 +10,7 @@ notebooks 03 and 06 (`simulate`) and 08 (write your own schedule, `simulate_orde
 from __future__ import annotations
 
 from ..schedules.orders import PlannedAction, ScheduleError, check_order, describe, normalize_order
-from ..core.timeline import Action, Timeline
+from ..core.actions import Action, Timeline
 from .cost import Cost, StageCosts
 from .plans import planned_actions, resolve, torch_version
 

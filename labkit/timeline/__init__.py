@@ -1,6 +1,6 @@
 """Timelines read and compared: a measured run beside its fitted ideal (`compare`), matplotlib
 drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The data model itself is
-`labkit.core.timeline`.
+`labkit.core.actions`.
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.errors import ConfigError
 from ..schedules.table import schedule_info
-from ..core.timeline import COMPUTE_KINDS, Action, Timeline
+from ..core.actions import COMPUTE_KINDS, Action, Timeline
 
 SOURCES = ("auto", "spans", "logs", "profiler")
 

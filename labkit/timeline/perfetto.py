@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.timeline import Timeline
+from ..core.actions import Timeline
 
 
 def to_chrome_trace(tl: Timeline) -> dict:

@@ -28,7 +28,7 @@ from matplotlib.patches import Patch
 from ..core.errors import ConfigError
 from ..schedules.table import schedule_info
 from ..theory import closed_form_bubble
-from ..core.timeline import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
+from ..core.actions import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, Timeline
 
 __all__ = ["KIND_COLORS", "KIND_LABELS", "bubble_summary", "kind_legend", "plot_timeline", "plot_side_by_side",
            "plot_pipelines", "plot_bubble_sweep", "plot_step_times", "plot_memory"]

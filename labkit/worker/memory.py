@@ -7,7 +7,7 @@ for one microbatch until its backward (why 1F1B holds fewer microbatches than GP
 
 from __future__ import annotations
 
-from ..core.timeline import union_length  # bytes covered by (first, end) ranges
+from ..core.actions import union_length  # bytes covered by (first, end) ranges
 
 
 def param_groups(module) -> dict[str, int]:
