@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from labkit.launching.launch import _ExitWaiter
-from labkit.launching.processes import descendants
+from labkit.launching.stop import descendants
 
 
 def test_importing_the_kit_as_torchruns_plugin_leaves_the_heavy_parts_out():

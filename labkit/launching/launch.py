@@ -33,7 +33,7 @@ from .command import (
     validate_nodes,
 )
 from .diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
-from .processes import descendants, die_with_parent, stop_job
+from .stop import descendants, die_with_parent, stop_job
 from .rundir import LaunchError, Run, new_run_dir
 from .stream import STREAMS, Streamer
 from ..core.progress import Progress

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..launching.clean import kill_all
 from ..launching.command import job_env, torchrun_command
 from ..launching.diagnose import launcher_text
-from ..launching.processes import descendants, die_with_parent, stop_job
+from ..launching.stop import descendants, die_with_parent, stop_job
 from . import channel
 
 RANK_MODULE = "labkit.ranks.rank"
