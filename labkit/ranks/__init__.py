@@ -1,7 +1,8 @@
 """Live ranks: a pool of torchrun ranks that keeps running between notebook cells.
 
-pool.py (`Ranks`, `RanksError`), cell.py (one cell in flight), job.py (the torchrun launch), channel.py (the
-authenticated Unix socket), rank.py (the rank side), output.py (live output), magics.py (`%%ranks`),
+pool.py (`Ranks`), failure.py (`RanksError`: how a failed cell is told), cell.py (one cell in flight), job.py
+(the torchrun launch), channel.py (the authenticated Unix socket), rank.py (the rank side), output.py (live
+output), magics.py (`%%ranks`),
 choose.py (a schedule and m chosen under an activation cap, each candidate measured and checked on the pool).
 Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped;
 05 chooses one with choose.py).

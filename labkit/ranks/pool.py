@@ -35,7 +35,7 @@ from ..launching.command import preflight_device
 from ..launching.rundir import new_run_dir
 from . import channel
 from .cell import Cell
-from .errors import RanksError, _in_distributed, _indent, _names, _pipeline_hint
+from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint
 from .job import Job, StartError
 from .output import CellOutput
 from .readings import CellReadings

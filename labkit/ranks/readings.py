@@ -4,7 +4,7 @@ inherits these."""
 
 from __future__ import annotations
 
-from .errors import RanksError
+from .failure import RanksError
 
 
 class CellReadings:
