@@ -73,7 +73,7 @@ def test_wheel_holds_the_jobs_and_no_repository_folders(fresh):
     import zipfile
 
     names = zipfile.ZipFile(fresh["wheel"]).namelist()
-    assert "labkit/jobs/train.py" in names and "labkit/jobs/controlled.py" in names
+    assert "labkit/jobs/train.py" in names and "labkit/jobs/controlled_workload.py" in names
     assert "labkit/spans/boot/sitecustomize.py" in names  # what records spans in every rank
     assert not [n for n in names if n.startswith(("scripts/", "tests/", "notebooks/"))]
 

@@ -77,7 +77,7 @@ class TimedBlock(nn.Module):
 
 @dataclass
 class WorkloadConfig:
-    """A run of the controlled job (`python -m labkit.jobs.controlled`); validated like RunConfig
+    """A run of the controlled job (`python -m labkit.jobs.controlled_workload`); validated like RunConfig
     (the same schedule rules, from labkit.config.run). The job reads it from its run directory's config.json."""
 
     schedule: str = "GPipe"

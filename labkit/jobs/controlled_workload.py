@@ -1,7 +1,7 @@
 """The controlled-workload job: stages whose compute time is set (labkit.models.workload).
 
     python -c "import labkit.models.workload as w; w.run_controlled(schedule='GPipe', pp_size=4, mode='sleep')"
-    torchrun --nproc-per-node 2 -m labkit.jobs.controlled --config runs/x/config.json
+    torchrun --nproc-per-node 2 -m labkit.jobs.controlled_workload --config runs/x/config.json
 
 Used to hold a measured timeline against the ideal one: with `mode="sleep"` the ranks do not
 compete for cores, so the schedule's shape survives on a 2-core laptop. Reads its
