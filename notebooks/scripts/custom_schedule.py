@@ -31,10 +31,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from labkit import check_step
 from labkit.worker import distributed as worker
-from labkit.schedules.orders import check_order, parse_action
-from labkit.worker.reference import check_step
-from labkit.models.workload import TimedBlock, mse
+from labkit.theory import check_order, parse_action
+from labkit.models import TimedBlock, mse
 
 
 def parse_args(argv=None):
@@ -80,7 +80,7 @@ def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]
 def make_runtime(stages: list, n_microbatches: int, loss_fn, order_csv: str | os.PathLike):
     """torch's action runtime, loaded with our compute-only order (torch adds SEND/RECV itself):
     `labkit.worker.stages.runtime_from_csv`, the kit's one place that names torch's private runtime."""
-    from labkit.worker.stages import runtime_from_csv
+    from labkit.worker import runtime_from_csv
 
     return runtime_from_csv(stages, n_microbatches, loss_fn, order_csv)
 

@@ -48,7 +48,7 @@ def exercise_5(table, cap_bytes):
     candidates of 1F1B and ZBVZeroBubble (80 KiB on their fullest rank); which of the two is faster is
     this run's measurement, and two within a few percent are both defensible.
     """
-    from labkit.ranks.choose import ChoiceTable
+    from labkit import ChoiceTable
 
     half = ChoiceTable(table.rows, cap_bytes)
     best = half.choice

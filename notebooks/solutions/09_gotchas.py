@@ -1,6 +1,6 @@
 """Reference answers for notebook 09's exercises (look only after trying)."""
 
-from labkit.notebook.helpers import stack_frames
+from labkit.notebook import stack_frames
 
 
 def accepted_microbatches(batch: int) -> list[int]:

@@ -9,6 +9,6 @@ def fsdp_fraction(replicas: int) -> float:
 def checkpoint_tensors(cfg) -> int:
     """Exercise 2: DCP writes every tensor once, whoever holds it (replicas deduplicated, shards joined):
     the unsplit model's state dict, whatever shape saved it."""
-    from labkit.models.tutorial import build_model
+    from labkit.models import build_model
 
     return len(build_model(cfg).state_dict())

@@ -4,7 +4,7 @@
 def exercise_1():
     """Raise the limit one microbatch at a time until the span per rank reaches M(F+I+W) = 24: the
     search gets there at K = 7 = 2P - 1, the peak of the paper's ZB-H2 (K = 8 is not needed)."""
-    from labkit.theory.search import search
+    from labkit.theory import search
 
     return next(k for k in range(4, 9) if search(4, 8, "F=1,I=1,W=1", memory_limit=k).period <= 24)
 
