@@ -97,12 +97,14 @@ def test_check_step_is_public_at_the_top():
 @pytest.mark.parametrize("where, code", lesson_code(), ids=lambda v: v if " cell " in v or v.endswith(".py") else "")
 def test_lessons_import_only_the_lesson_api(where, code):
     wrong = wrong_imports(code)
-    assert not wrong, (f"{where} imports outside the lesson API (README, 'The lesson API'): {wrong}; import the "
-                       "name from its public module, or make it public there (its package's exports and README's table)")
+    assert not wrong, (f"{where} imports outside the lesson API (README, 'The lesson API'): {wrong}; import "
+                       "the name from its public module, or make it public there (its package's exports and "
+                       "README's table)")
 
 
 def test_the_check_catches_a_private_import():
-    assert wrong_imports("from labkit.worker.reference import check_step") == ["from labkit.worker.reference import check_step"]
+    private = "from labkit.worker.reference import check_step"
+    assert wrong_imports(private) == [private]
     assert wrong_imports("s = '''\nfrom labkit.schedules.table import SCHEDULES\n'''")  # rank code sent as a string
     assert wrong_imports("labkit.notebook.helpers.setup()") == ["labkit.notebook.helpers"]
     assert wrong_imports("import labkit\nfrom labkit import check_step, versions\nlabkit.notebook.setup()") == []
