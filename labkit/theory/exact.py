@@ -34,7 +34,8 @@ import time
 
 from ..core.errors import ConfigError
 from .cost import Cost
-from .search import SearchResult, evaluate, placement
+from .score import SearchResult, evaluate
+from .search import placement
 
 SCALES = (1, 2, 4, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000)
 

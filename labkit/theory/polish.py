@@ -86,7 +86,8 @@ def polish(result, pp_size: int, n_microbatches: int, cost: Cost, max_tries: int
     """`result` (a `SearchResult`, objective "period") or a better order found by moving one action
     at a time into a wait (see the module docstring); at most `max_tries` replays and about `seconds`.
     Memory limit and weight_memory are `result`'s; the rule says how many moves it took."""
-    from .search import evaluate, memory_peak
+    from .score import evaluate
+    from .simulate import memory_peak
 
     t0 = time.monotonic()
     cur = {r: list(acts) for r, acts in result.order.items()}

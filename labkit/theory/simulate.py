@@ -156,13 +156,29 @@ def simulate(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: 
     return simulate_order(order, pp_size * spr, n_microbatches, cost, meta=meta)
 
 
+def memory_peak(order, weight_memory: float = 1.0, stages_per_rank: int = 1) -> dict[int, float]:
+    """Per rank, the most activation memory held at once, walking its order, in 1F1B stage
+    microbatches: F holds 1/stages_per_rank, I frees (1 - weight_memory) of it, W the rest; a full B
+    frees all of it. With weight_memory=1 and one stage per rank this is `orders.peak_in_flight`."""
+    unit = 1.0 / stages_per_rank
+    delta = {"F": unit, "I": -(1 - weight_memory) * unit, "W": -weight_memory * unit, "B": -unit}
+    peak: dict[int, float] = {}
+    for rank, acts in normalize_order(order).items():
+        held = top = 0.0
+        for kind, _s, _mb in acts:
+            held += delta.get(kind, 0.0)
+            top = max(top, held)
+        top = round(top, 9)
+        peak[rank] = int(top) if top == int(top) else top  # whole microbatches print as before (4, not 4.0)
+    return peak
+
+
 def theory_json(timeline: Timeline) -> dict:
     """What `labkit theory --json` prints: actions, makespan, both bubble definitions, meta, and the
     peak activation memory per rank in 1F1B stage microbatches (a stage of a rank holding several
     weighs 1/stages_per_rank; held from F until B, or W when split), so that schedules can be compared
     at equal memory with `labkit search --memory-limit`."""
     from ..schedules.orders import rank_orders
-    from .search import memory_peak
 
     t = timeline.shifted()
     m = t.metrics()
