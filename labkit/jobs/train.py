@@ -17,7 +17,9 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,8 @@ from ..core.errors import ConfigError
 from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
 from ..worker.noise import autocast_ctx
-from ..worker.reference import check_step, stage_grads
+from ..worker.reference import check_step
+from .steps import BenchOptions, StepPlan, run_steps
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,94 +59,6 @@ def load_config(a: argparse.Namespace, world_size: int) -> RunConfig:
                           f"{cfg.tp_size}) but torchrun started {world_size}: launch with --nproc-per-node "
                           f"{cfg.world_size} (labkit run does this for you).")
     return cfg
-
-
-def _spans_recorder():
-    from ..spans.record import recorder
-
-    rec = recorder()
-    if rec is None:
-        raise RuntimeError("--spans-ab: no span recorder in this rank (launch the job with labkit.run, which "
-                           "records spans in every rank)")
-    return rec
-
-
-def run_steps(cfg: RunConfig, d, stages, schedule, x, y, log_ab: bool = False, inputs=None, after_backward=None,
-              spans_ab: bool = False, chunks=None, grad_scale: float | None = None, clip=None, memory: bool = False):
-    """Run the schedule; per-step times, mean loss per step, and the first step's losses/grads/output.
-
-    log_ab: switch the pipelining logger on and off step by step (worker.pp_logs_on_step);
-    spans_ab: the same for span recording (labkit.spans.record);
-    inputs: (args, kwargs) this rank passes to step (default: the tokens on the first stage; a
-    transformers model adds masks and position ids, labkit.models.adapter);
-    after_backward(stages): before the gradients are read or applied (tied weights' all-reduce);
-    chunks: [(args, kwargs, target)] of the schedule steps whose gradients one update accumulates
-    (--accumulate G: G of them; default: one, `inputs` and `y`); grad_scale: multiply the accumulated
-    gradients by it before they are read or applied; clip(stages): last, before they are read
-    (--clip-grad-norm, labkit.parallel.checkpoint.clip_grad_norm); memory: measure this rank's bytes
-    of parameters, gradients, optimizer state and activations in the first step (first["memory"])."""
-    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    params = [p for s in stages for p in s.submod.parameters()]
-    # Composed runs (memory measured) keep a momentum buffer per parameter, an optimizer state for FSDP2 to
-    # shard like the gradients; its first update equals plain SGD's, the step the reference check reads.
-    momentum = 0.9 if memory else 0.0
-    opt = torch.optim.SGD(params, lr=0.01, momentum=momentum) if not cfg.inference and params else None
-    first = {"losses": [], "grads": None, "output": None}
-    step_times, step_losses = [], []
-    worker.reset_peak_memory(d.device)
-    switch = worker.PPLogSwitch() if log_ab else None
-    spans = _spans_recorder() if spans_ab else None
-    tracker = None
-    if memory and not cfg.inference:
-        from ..worker.memory import SavedTensorTracker
-        tracker = SavedTensorTracker(stages)
-    for step in range(cfg.steps):
-        if switch:
-            switch.set(worker.pp_logs_on_step(step))
-        if spans_ab and spans is not None:
-            spans.enabled = worker.pp_logs_on_step(step)
-        losses: list = []
-        if chunks is None:
-            args, model_kwargs = inputs if inputs is not None else (((x,) if has_first else ()), {})
-            todo = [(args, model_kwargs, y)]
-        else:
-            todo = chunks
-        with worker.timed(d.device) as elapsed:
-            for args, model_kwargs, target in todo:  # one schedule step per accumulated chunk
-                mine: list = []  # step() clears the list it is given: one per chunk
-                kwargs = {"target": target, "losses": mine} if (has_last and not cfg.inference) else {}
-                with autocast_ctx(d.device, getattr(torch, cfg.autocast) if cfg.autocast else None):
-                    out = schedule.step(*args, **model_kwargs, **kwargs)
-                losses += mine
-            if after_backward is not None and not cfg.inference:
-                after_backward(stages)
-            if grad_scale is not None and not cfg.inference:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(grad_scale)
-            if clip is not None and not cfg.inference:
-                clip(stages)
-        step_times.append(elapsed())
-        if step == 0:
-            first = {"losses": list(losses), "grads": stage_grads(stages),
-                     "output": out.detach() if (has_last and out is not None) else None}
-            if tracker is not None:
-                from ..parallel.compose import memory_row
-                # the rank's stages together, at every change; optimizer state: after its first step, below
-                first["memory"] = memory_row(stages, None, tracker.rank_peak())
-        step_losses.append(sum(float(l.detach()) for l in losses) / len(losses) if losses else float("nan"))
-        if opt is not None:
-            opt.step()
-            if step == 0 and "memory" in first:  # the optimizer's state, created by its first step
-                from ..parallel.compose import local_bytes
-                first["memory"][2] = float(local_bytes(v for st in opt.state.values() for v in st.values()
-                                                       if torch.is_tensor(v)))
-            opt.zero_grad(set_to_none=True)
-        if d.rank == 0:
-            worker.progress(step + 1, cfg.steps)
-    if switch:
-        switch.set(True)  # the logger as TORCH_LOGS set it for everything after the steps
-    return step_times, step_losses, first
 
 
 @record
@@ -224,142 +139,279 @@ def run_here(items: list[dict]) -> list[int]:
     return run_items(items, d)
 
 
+@dataclass
+class Job:
+    """One run's state on this rank: built by `build_job`, read by the steps after it."""
+
+    cfg: RunConfig
+    d: Any
+    """This rank's place in the job (worker.distributed.DistInfo)."""
+    model: Any
+    """The model's adapter (labkit.models.adapter): the tutorial Transformer, or a transformers model."""
+    full: torch.nn.Module
+    """The unsplit model, same weights on every rank (seeded), kept on CPU as the reference."""
+    stages: list
+    """This rank's PipelineStages."""
+    stage_builder: str
+    bounds: list[int] | None
+    """Layer index where each stage starts, plus n_layers."""
+    balance: dict | None = None
+    """--split-points auto: the measured per-block costs and the bounds chosen from them."""
+    par: Any = None
+    """Composed runs: the (pp, dp, tp) mesh and this rank's coordinates (labkit.parallel.compose)."""
+    started: float = 0.0
+    """time.perf_counter() when the build began (result.json's wall_time_s)."""
+    norms: list[float] = field(default_factory=list)
+    """--clip-grad-norm: the global gradient norm before clipping, per update."""
+
+    @property
+    def autocast(self):
+        return getattr(torch, self.cfg.autocast) if self.cfg.autocast else None
+
+    @property
+    def loss_fn(self):
+        return None if self.cfg.inference else self.model.loss_fn
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+
+@dataclass
+class Batch:
+    """The whole (global) batch, the same on every rank: G updates' worth with --accumulate G."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    kwargs: dict
+    """The model's other inputs (attention_mask, position_ids for a transformers model)."""
+
+
+@dataclass
+class Outcome:
+    """What the steps and the check found, for result.json."""
+
+    check: Any
+    """The reference check (worker.reference.Check), every rank's step times and peaks in its extras."""
+    step_losses: list[float]
+    """Each step's mean loss, from the rank that holds the last stage."""
+    checked_microbatches: int
+    memory: list | None = None
+    """Composed runs: every rank's bytes of parameters, gradients, optimizer state and activations."""
+
+
 def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     """One run on the job's ranks (the process group is up): build, step, check, result.json (rank 0).
     Returns the job's exit code for it: 0 ok, 3 the check failed, 2 a split this model cannot take."""
-    t0 = time.perf_counter()
+    job = build_job(cfg, d)
+    plan, batch = plan_steps(job, a.accumulate_pitfall)
+    if cfg.profile:
+        worker.annotate_stages(job.stages)
+    with worker.maybe_profile(cfg.profile, d, out_dir):
+        step_times, step_losses, first = run_steps(cfg, d, job.stages, plan, BenchOptions.from_args(a))
+    peak = worker.peak_memory_bytes(d.device)
+    check, n_mb = check_job(job, batch, first, [float(peak), *step_times])
+    memory = None
+    if job.par is not None:  # every rank's bytes: parameters, gradients, optimizer state, activations
+        memory = worker.all_gather_floats(first.get("memory") or [0.0] * 4, d.device)
+    if cfg.checkpoint:  # the weights after the run's updates, every parameter once
+        from ..parallel import checkpoint as ckpt
+        ckpt.save(job.stages, cfg.checkpoint)
+    outcome = Outcome(check, _losses_of_last_stage(job, step_losses), n_mb, memory)
+    if d.rank == 0:
+        report(job, outcome, out_dir, a)
+    return 0 if check.ok else 3
 
+
+def build_job(cfg: RunConfig, d) -> Job:
+    """Build: the model, where it is cut, the mesh (composed runs), this rank's stages, and a
+    checkpoint's weights in them and in the reference (--resume)."""
+    started = time.perf_counter()
     model = model_adapter(cfg)  # the tutorial Transformer, or a transformers model (labkit.models)
     full = model.build_full()  # same weights on every rank (seeded), kept on CPU as the reference
     if cfg.dtype != "float32":  # --dtype: the stages are cut from it, so they hold this dtype too
         full = full.to(getattr(torch, cfg.dtype))
-    autocast = getattr(torch, cfg.autocast) if cfg.autocast else None
-    bounds, balance = cfg.layer_bounds() if not cfg.auto_split else None, None
-    if cfg.auto_split:  # --split-points auto: measure each block here, on every rank (same answer)
-        from ..models.balance import balance_config
-        balance = balance_config(cfg, model, full, d.device)
-        bounds = balance["bounds"]
-        cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
+    bounds, balance = _split(cfg, model, full, d.device)
     par = None
     if cfg.composed:  # a (pp, dp, tp) mesh: this rank's stage index is its pp coordinate (labkit.parallel)
         from ..parallel import compose
         par = compose.build_mesh(cfg, d.device)
-    with autocast_ctx(d.device, autocast):  # --autocast: the tracer records the casts the steps will run
-        stages, stage_builder = (model.build_stages(full, d.rank, d.device, bounds) if par is None else
-                                 model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
-                                                    **({"par": par} if cfg.model_name != "tutorial" else {})))
-    if par is not None:
-        compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
+    stages, stage_builder = _build_stages(cfg, d, model, full, bounds, par)
     if cfg.resume:  # into this shape's stages (resharded on load), and the reference from the same files
         from ..parallel import checkpoint as ckpt
         ckpt.load_stages(stages, cfg.resume)
         ckpt.load_full(full, cfg.resume)
-    clip = None
-    if cfg.clip_grad_norm:
-        from ..parallel.checkpoint import clip_grad_norm
+    return Job(cfg, d, model, full, stages, stage_builder, bounds, balance, par, started)
 
-        norms: list[float] = []  # the global norm before clipping, per update
 
-        def clip(stages_, _pg=(par.pp_group if par is not None else None)):
-            norms.append(clip_grad_norm(stages_, cfg.clip_grad_norm, _pg, d.device, model.tied_copies))
-    loss_fn = None if cfg.inference else model.loss_fn
-    G = cfg.accumulate
+def _split(cfg: RunConfig, model, full, device) -> tuple[list[int], dict | None]:
+    """(layer bounds, balance): cfg's split points, or with --split-points auto the points balanced from
+    each block measured here, on every rank (same answer), written back into cfg.split_points."""
+    if not cfg.auto_split:
+        return cfg.layer_bounds(), None
+    from ..models.balance import balance_config
+    balance = balance_config(cfg, model, full, device)
+    bounds = balance["bounds"]
+    cfg.split_points = [f"layers.{i}" for i in bounds[1:-1]]  # every split reads cfg.layer_bounds()
+    return bounds, balance
+
+
+def _build_stages(cfg: RunConfig, d, model, full, bounds, par):
+    """This rank's stages and how they were built; composed runs: its pp coordinate's, with TP inside
+    each stage and FSDP2 over the replicas."""
+    autocast = getattr(torch, cfg.autocast) if cfg.autocast else None
+    with autocast_ctx(d.device, autocast):  # --autocast: the tracer records the casts the steps will run
+        if par is None:
+            return model.build_stages(full, d.rank, d.device, bounds)
+        stages, stage_builder = model.build_stages(full, par.pp_rank, d.device, bounds, group=par.pp_group,
+                                                   **({"par": par} if cfg.model_name != "tutorial" else {}))
+    from ..parallel import compose
+    compose.parallelize(stages, par)  # TP inside each stage, then FSDP2 over the replicas
+    return stages, stage_builder
+
+
+def plan_steps(job: Job, pitfall: bool = False) -> tuple[StepPlan, Batch]:
+    """Step: the schedule, the whole batch and what this rank feeds each step, and what the update does
+    to the gradients (accumulation's scale, the replicas' average, clipping). pitfall: --accumulate-pitfall."""
+    cfg, model, G = job.cfg, job.model, job.cfg.accumulate
+    clip = _clipper(job)
     # --accumulate G: torch's scale_grads divides ALL gradients held at the end of each step, those
     # accumulated by earlier steps too; so the steps run unscaled and the sum is scaled once, 1/(m G)
-    schedule = model.schedule(stages, loss_fn, **({"scale_grads": False} if G > 1 and not a.accumulate_pitfall else {}))
-    grad_scale = (1 / G if a.accumulate_pitfall else 1 / (cfg.n_microbatches * G)) if G > 1 else None
+    schedule = model.schedule(job.stages, job.loss_fn, **({"scale_grads": False} if G > 1 and not pitfall else {}))
+    grad_scale = (1 / G if pitfall else 1 / (cfg.n_microbatches * G)) if G > 1 else None
     # the whole (global) batch, the same on every rank: G updates' worth with --accumulate G
-    x, y, model_kwargs = (model if G == 1 else model_adapter(cfg.accumulated())).batch(d.device)
-    x_mine, y_mine, after_backward, model_kwargs_mine = x, y, model.after_backward, model_kwargs
-    if par is not None:  # this replica's share; replicated data parallelism averages the gradients
-        x_mine, y_mine = compose.replica_share(par, x, y)
-        model_kwargs_mine = dict(zip(model_kwargs, compose.replica_share(par, *model_kwargs.values())))
-        after_backward = compose.replicated_average(par, model.after_backward)
-    chunks = None
-    if G > 1:  # chunk g: samples [gB, (g+1)B) of the global batch, this replica's share of it
-        chunks = []
-        for xc, yc in zip(x.chunk(G), y.chunk(G)):
-            if par is not None:
-                xc, yc = compose.replica_share(par, xc, yc)
-            args, kw = model.step_inputs(stages, xc, {})
-            chunks.append((args, kw, yc))
+    batch = Batch(*(model if G == 1 else model_adapter(cfg.accumulated())).batch(job.d.device))
+    after_backward = model.after_backward
+    if job.par is not None:  # replicated data parallelism averages the gradients
+        from ..parallel import compose
+        after_backward = compose.replicated_average(job.par, model.after_backward)
+    plan = StepPlan(schedule, _chunks(job, batch), after_backward=after_backward, grad_scale=grad_scale,
+                    clip=clip, memory=job.par is not None)
+    return plan, batch
 
-    if cfg.profile:
-        worker.annotate_stages(stages)
-    with worker.maybe_profile(cfg.profile, d, out_dir):
-        step_times, step_losses, first = run_steps(cfg, d, stages, schedule, x_mine, y_mine, a.log_ab,
-                                                   model.step_inputs(stages, x_mine, model_kwargs_mine), after_backward,
-                                                   a.spans_ab, chunks, grad_scale, clip, memory=par is not None)
-    peak = worker.peak_memory_bytes(d.device)
-    has_last = any(s.is_last for s in stages)
 
-    # The check: ONE forward (and backward) of the unsplit model on the WHOLE (global) batch.
-    losses, grads, n_mb, group = first["losses"], first["grads"], cfg.n_microbatches * G, None
+def _chunks(job: Job, batch: Batch) -> list:
+    """[(args, kwargs, target)] this rank passes to the schedule steps of one update: the whole batch,
+    or with --accumulate G chunk g = samples [gB, (g+1)B); composed runs: this replica's share of it."""
+    G = job.cfg.accumulate
+    if G == 1:
+        x, y = _share(job, batch.x, batch.y)
+        kwargs = dict(zip(batch.kwargs, _share(job, *batch.kwargs.values())))
+        args, kwargs = job.model.step_inputs(job.stages, x, kwargs)
+        return [(args, kwargs, y)]
+    chunks = []
+    for xc, yc in zip(batch.x.chunk(G), batch.y.chunk(G)):
+        xc, yc = _share(job, xc, yc)
+        args, kwargs = job.model.step_inputs(job.stages, xc, {})
+        chunks.append((args, kwargs, yc))
+    return chunks
+
+
+def _share(job: Job, *tensors) -> list:
+    """This replica's share of whole-batch tensors (composed runs), else the tensors."""
+    if job.par is None:
+        return list(tensors)
+    from ..parallel import compose
+    return compose.replica_share(job.par, *tensors)
+
+
+def _clipper(job: Job):
+    """--clip-grad-norm: clip(stages) clips to the global norm (over every stage and shard) and keeps
+    the norm before clipping in job.norms; None without it."""
+    if not job.cfg.clip_grad_norm:
+        return None
+    from ..parallel.checkpoint import clip_grad_norm
+
+    pg = job.par.pp_group if job.par is not None else None
+
+    def clip(stages):
+        job.norms.append(clip_grad_norm(stages, job.cfg.clip_grad_norm, pg, job.d.device, job.model.tied_copies))
+    return clip
+
+
+def check_job(job: Job, batch: Batch, first: dict, extra: list[float]):
+    """Check: ONE forward (and backward) of the unsplit model on the WHOLE (global) batch against the
+    first step (collective). extra: this rank's numbers every rank's check gathers (peak, step times).
+    Returns (the check, the microbatches it covered)."""
+    cfg, d, par = job.cfg, job.d, job.par
+    losses, grads, n_mb, group = first["losses"], first["grads"], cfg.n_microbatches * cfg.accumulate, None
     if par is not None:  # every replica's losses, whole gradients from the shards; one check per pipeline
-        losses = compose.all_replicas_losses(par, losses, n_mb, has_last, d.device, chunks=G)
+        from ..parallel import compose
+        losses = compose.all_replicas_losses(par, losses, n_mb, job.has_last, d.device, chunks=cfg.accumulate)
         grads, n_mb, group = compose.full_grads(grads), n_mb * par.dp_size, par.pp_group
-    check = check_step(full, stages, x, y, losses, n_mb, loss_fn, grads=grads,
-                       output=first["output"], extra=[float(peak), *step_times], tolerance=cfg.tolerance,
-                       device=d.device, kwargs=model_kwargs, tied=model.tied_aliases,
-                       renamed=model.renamed, group=group, clip_grad_norm=cfg.clip_grad_norm, autocast=autocast)
+    check = check_step(job.full, job.stages, batch.x, batch.y, losses, n_mb, job.loss_fn, grads=grads,
+                       output=first["output"], extra=extra, tolerance=cfg.tolerance, device=d.device,
+                       kwargs=batch.kwargs, tied=job.model.tied_aliases, renamed=job.model.renamed, group=group,
+                       clip_grad_norm=cfg.clip_grad_norm, autocast=job.autocast)
     if par is not None:  # every pipeline's verdict must hold
         check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
-    memory = None
-    if par is not None:  # every rank's bytes: parameters, gradients, optimizer state, activations
-        memory = worker.all_gather_floats(first.get("memory") or [0.0] * 4, d.device)
-    if cfg.checkpoint:  # the weights after the run's updates, every parameter once
-        from ..parallel import checkpoint as ckpt
-        ckpt.save(stages, cfg.checkpoint)
+    return check, n_mb
+
+
+def _losses_of_last_stage(job: Job, step_losses: list[float]) -> list[float]:
+    """Every step's mean loss as the rank holding the last stage saw it, on every rank (collective)."""
+    cfg, d, par = job.cfg, job.d, job.par
     last_rank = (par.global_rank(cfg.pp_size - 1) if par is not None else
                  next(r for r in range(d.world_size) if cfg.n_stages - 1 in cfg.stages_of_rank(r)))
-    step_losses = worker.broadcast_floats(step_losses if has_last else None, cfg.steps, last_rank, d.device)
+    return worker.broadcast_floats(step_losses if job.has_last else None, cfg.steps, last_rank, d.device)
 
-    if d.rank == 0:
-        result = dict(
-            schedule=cfg.schedule, pp_size=cfg.pp_size, n_stages=cfg.n_stages,
-            stages_per_rank=cfg.stages_per_rank, n_microbatches=cfg.n_microbatches,
-            stage_placement=[cfg.stages_of_rank(r) for r in range(cfg.pp_size)],
-            split=cfg.split, stage_builder=stage_builder, inference=cfg.inference,
-            layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size, model=cfg.model_name,
-            dtype=cfg.dtype, autocast=cfg.autocast,
-            layer_bounds=bounds, balance=balance,
-            step_losses=[] if cfg.inference else step_losses,
-            peak_memory_bytes=[int(r[0]) for r in check.extras],
-            peak_memory_kind="cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",
-            step_time_s=[max(r[1 + i] for r in check.extras) for i in range(cfg.steps)],
-            profiled=cfg.profile, wall_time_s=time.perf_counter() - t0, config=cfg.to_dict(),
-        )
-        if cfg.checkpoint or cfg.resume or cfg.clip_grad_norm:
-            result.update(checkpoint=cfg.checkpoint, resume=cfg.resume, clip_grad_norm=cfg.clip_grad_norm,
-                          grad_norm_before_clip=norms if cfg.clip_grad_norm else None)
-        if G > 1:
-            result.update(accumulate=G, scale_grads="torch's default (True), then / G: the pitfall" if
-                          a.accumulate_pitfall else "False; the accumulated sum scaled by 1/(m G) once")
-        if par is not None:
-            result.update(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
-                          mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),
-                          global_batch=cfg.batch_size, checked_microbatches=n_mb,
-                          # the pipelines, read from the mesh the ranks built: ranks sharing (dp, tp), in pp order
-                          pipelines=[par.mesh.mesh[:, i, j].tolist() for i in range(cfg.dp_size) for j in range(cfg.tp_size)],
-                          memory_per_rank=[dict(zip(("parameters", "gradients", "optimizer_state", "activations"),
-                                                    map(int, row))) for row in memory])
-        if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
-            from ..config.run import read_order_csv
 
-            result["schedule_csv"] = cfg.schedule_csv
-            result["order"] = {str(r): acts for r, acts in read_order_csv(cfg.schedule_csv).items()}
-            result["runtime"] = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
-        if a.log_ab:  # which steps logged (the capture-overhead benchmark)
-            result["step_pp_logs"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
-        if a.spans_ab:  # which steps recorded spans (the span-overhead benchmark)
-            result["step_spans"] = [worker.pp_logs_on_step(i) for i in range(cfg.steps)]
-        worker.write_result(out_dir, d, check, **result)
-        mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if par is not None else ""
-        how = "" if cfg.dtype == "float32" and not cfg.autocast else \
-            f" ({cfg.dtype}{', autocast ' + cfg.autocast if cfg.autocast else ''})"
-        print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks{mesh}, {cfg.n_stages} stages, {cfg.n_microbatches} "
-              f"microbatches{how}: pipelined step {check.verdict()}", flush=True)
-    return 0 if check.ok else 3
+def report(job: Job, outcome: Outcome, out_dir, a: argparse.Namespace) -> None:
+    """Report (rank 0): result.json in the run directory and the one-line verdict."""
+    cfg, d, check = job.cfg, job.d, outcome.check
+    result = _result_fields(job, outcome)
+    if cfg.checkpoint or cfg.resume or cfg.clip_grad_norm:
+        result.update(checkpoint=cfg.checkpoint, resume=cfg.resume, clip_grad_norm=cfg.clip_grad_norm,
+                      grad_norm_before_clip=job.norms if cfg.clip_grad_norm else None)
+    if cfg.accumulate > 1:
+        result.update(accumulate=cfg.accumulate, scale_grads="torch's default (True), then / G: the pitfall" if
+                      a.accumulate_pitfall else "False; the accumulated sum scaled by 1/(m G) once")
+    if job.par is not None:
+        result.update(_mesh_fields(job, outcome))
+    if cfg.schedule_csv:  # the order that ran, as written (the ideal beside it is simulated from it)
+        from ..config.run import read_order_csv
+
+        result["schedule_csv"] = cfg.schedule_csv
+        result["order"] = {str(r): acts for r, acts in read_order_csv(cfg.schedule_csv).items()}
+        result["runtime"] = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
+    result.update(BenchOptions.from_args(a).result_fields(cfg.steps))  # the capture / span-overhead benchmarks
+    worker.write_result(out_dir, d, check, **result)
+    mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if job.par is not None else ""
+    how = "" if cfg.dtype == "float32" and not cfg.autocast else \
+        f" ({cfg.dtype}{', autocast ' + cfg.autocast if cfg.autocast else ''})"
+    print(f"[labkit] {cfg.schedule} x{cfg.pp_size} ranks{mesh}, {cfg.n_stages} stages, {cfg.n_microbatches} "
+          f"microbatches{how}: pipelined step {check.verdict()}", flush=True)
+
+
+def _result_fields(job: Job, outcome: Outcome) -> dict:
+    """result.json's fields every run has: the shape that ran, its split, losses, memory and times."""
+    cfg, d, extras = job.cfg, job.d, outcome.check.extras
+    return dict(
+        schedule=cfg.schedule, pp_size=cfg.pp_size, n_stages=cfg.n_stages,
+        stages_per_rank=cfg.stages_per_rank, n_microbatches=cfg.n_microbatches,
+        stage_placement=[cfg.stages_of_rank(r) for r in range(cfg.pp_size)],
+        split=cfg.split, stage_builder=job.stage_builder, inference=cfg.inference,
+        layout=cfg.layout, preset=cfg.preset, batch_size=cfg.batch_size, model=cfg.model_name,
+        dtype=cfg.dtype, autocast=cfg.autocast,
+        layer_bounds=job.bounds, balance=job.balance,
+        step_losses=[] if cfg.inference else outcome.step_losses,
+        peak_memory_bytes=[int(r[0]) for r in extras],
+        peak_memory_kind="cuda max_memory_allocated" if d.device.type == "cuda" else "process peak RSS",
+        step_time_s=[max(r[1 + i] for r in extras) for i in range(cfg.steps)],
+        profiled=cfg.profile, wall_time_s=time.perf_counter() - job.started, config=cfg.to_dict(),
+    )
+
+
+def _mesh_fields(job: Job, outcome: Outcome) -> dict:
+    """result.json's fields of a composed run: the mesh, its pipelines and every rank's memory."""
+    cfg, par = job.cfg, job.par
+    return dict(dp_size=cfg.dp_size, tp_size=cfg.tp_size, fsdp=cfg.fsdp, world_size=cfg.world_size,
+                mesh="(pp, dp, tp) = " + str((cfg.pp_size, cfg.dp_size, cfg.tp_size)),
+                global_batch=cfg.batch_size, checked_microbatches=outcome.checked_microbatches,
+                # the pipelines, read from the mesh the ranks built: ranks sharing (dp, tp), in pp order
+                pipelines=[par.mesh.mesh[:, i, j].tolist() for i in range(cfg.dp_size) for j in range(cfg.tp_size)],
+                memory_per_rank=[dict(zip(("parameters", "gradients", "optimizer_state", "activations"),
+                                          map(int, row))) for row in outcome.memory])
 
 
 if __name__ == "__main__":
