@@ -18,7 +18,9 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from .clean import clean, describe
 from ..core.errors import ConfigError
@@ -42,7 +44,8 @@ CHECK_FAILED = 3  # the reference job's exit code when its step does not match t
 
 REFERENCE_JOB = "labkit.jobs.train"
 
-__all__ = ["DEFAULT_TIMEOUT_S", "LaunchError", "PP_LOG_FORMAT", "REFERENCE_JOB", "Run", "launch", "run"]
+__all__ = ["DEFAULT_TIMEOUT_S", "LaunchError", "LaunchSpec", "PP_LOG_FORMAT", "REFERENCE_JOB", "Run", "launch",
+           "launch_spec", "run"]
 
 
 def _check_entry(script, module: bool) -> str:
@@ -59,6 +62,59 @@ def _check_entry(script, module: bool) -> str:
     if not Path(script).is_file():
         raise ConfigError(f"Script {script} does not exist. Pass the path of a Python file torchrun can run.")
     return str(script)
+
+
+@dataclass
+class LaunchSpec:
+    """One torchrun job as `launch()` takes it, validated on creation; each field is the `launch()`
+    keyword of the same name (`entry` is its checked `script`)."""
+
+    entry: str
+    """The script's path, or with `module` the module's name."""
+    args: list[str] = field(default_factory=list)
+    """The script's command-line arguments."""
+    nproc: int = 2
+    """Ranks per node."""
+    module: bool = False
+    out: Any = None
+    """The run directory (default: a new one under runs_root)."""
+    runs_root: Any = None
+    name: str | None = None
+    """The run directory's label (default: the script's or module's name)."""
+    env: dict | None = None
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    """Seconds before the job is ended; None: no deadline (0 becomes None)."""
+    stream: str = "output"
+    progress: bool = True
+    check: bool = True
+    pp_logs: bool = True
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    config: dict | None = None
+    stop_event: Any = None
+    echo: Callable | None = None
+    on_progress: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ConfigError(f"nproc must be a whole number >= 1, got {self.nproc!r}.")
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise ConfigError(f"timeout must be a positive number of seconds (0 or None: no deadline), got {t!r}.")
+        self.timeout = t or None
+        validate_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
+        if self.stream not in STREAMS:
+            raise ConfigError(f"stream must be 'output', 'all' or 'none', got {self.stream!r}.")
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.entry.rsplit(".", 1)[-1] if self.module else Path(self.entry).stem)
+
+    @property
+    def single_node(self) -> bool:
+        return self.nnodes == 1 and self.rdzv_endpoint is None
 
 
 def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: int = 2, out=None,
@@ -81,57 +137,65 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     echo: called with each live output line instead of print (e.g. an ipywidgets Output's append).
     on_progress: called as on_progress(done, total) when the script reports progress.
     """
-    entry = _check_entry(script, module)
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ConfigError(f"nproc must be a whole number >= 1, got {nproc!r}.")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ConfigError(f"timeout must be a positive number of seconds (0 or None: no deadline), got {timeout!r}.")
-    timeout = timeout or None
-    validate_nodes(nnodes, node_rank, rdzv_endpoint)
-    if stream not in STREAMS:
-        raise ConfigError(f"stream must be 'output', 'all' or 'none', got {stream!r}.")
-    label = name or (entry.rsplit(".", 1)[-1] if module else Path(entry).stem)
-    run_dir = new_run_dir(out, label, runs_root)
-    cmd = torchrun_command(entry, [str(a) for a in args], nproc, run_dir, nnodes, node_rank, rdzv_endpoint,
-                           rdzv_id, module=module)
+    spec = LaunchSpec(_check_entry(script, module), [str(a) for a in args], nproc=nproc, module=module, out=out,
+                      runs_root=runs_root, name=name, env=env, timeout=timeout, stream=stream, progress=progress,
+                      check=check, pp_logs=pp_logs, nnodes=nnodes, node_rank=node_rank,
+                      rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, config=config, stop_event=stop_event,
+                      echo=echo, on_progress=on_progress)
+    return launch_spec(spec)
+
+
+def launch_spec(spec: LaunchSpec) -> Run:
+    """`launch()` for a `LaunchSpec`: prepare the run directory, start torchrun, watch it, conclude."""
+    run = _prepare(spec)
+    bar = Progress(spec.label, enabled=spec.progress, on_update=spec.on_progress)
+    streamer = Streamer(run.run_dir, spec.nproc, spec.stream, bar, spec.echo)
+    started = time.monotonic()
+    proc = _start(spec, run)
+    known = _watch(spec, run, proc, streamer, bar, started)
+    _conclude(spec, run, proc, known, streamer)
+    run.finish(started)
+    bar.close(run.status)
+    streamer.close()
+    if run.status != "ok" and spec.check and run.status != "interrupted":
+        raise LaunchError(error_message(run, run.error or "the job failed"), run)
+    return run
+
+
+def _prepare(spec: LaunchSpec) -> Run:
+    """A new run directory holding the command (command.json, command.txt) and config.json."""
+    run_dir = new_run_dir(spec.out, spec.label, spec.runs_root)
+    cmd = torchrun_command(spec.entry, spec.args, spec.nproc, run_dir, spec.nnodes, spec.node_rank,
+                           spec.rdzv_endpoint, spec.rdzv_id, module=spec.module)
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-    (run_dir / "config.json").write_text(json.dumps(config or {"script": entry, "args": list(map(str, args)),
-                                                               "nproc": nproc}, indent=2))
-    run = Run(run_dir=run_dir, command=cmd, nproc=nproc)
-    bar = Progress(label, enabled=progress, on_update=on_progress)
-    streamer = Streamer(run_dir, nproc, stream, bar, echo)
-    single_node = nnodes == 1 and rdzv_endpoint is None
-    started = time.monotonic()
-    with open(run_dir / "launcher.log", "wb") as launcher_log:
-        proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=job_env(run_dir, env, pp_logs, single_node), preexec_fn=die_with_parent)
+    (run_dir / "config.json").write_text(json.dumps(spec.config or {"script": spec.entry, "args": spec.args,
+                                                                    "nproc": spec.nproc}, indent=2))
+    return Run(run_dir=run_dir, command=cmd, nproc=spec.nproc)
+
+
+def _start(spec: LaunchSpec, run: Run) -> subprocess.Popen:
+    """torchrun, a child in its own session, its own output into launcher.log."""
+    with open(run.run_dir / "launcher.log", "wb") as launcher_log:
+        return subprocess.Popen(run.command, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=job_env(run.run_dir, spec.env, spec.pp_logs, spec.single_node),
+                                preexec_fn=die_with_parent)
+
+
+def _watch(spec: LaunchSpec, run: Run, proc: subprocess.Popen, streamer: Streamer, bar: Progress,
+           started: float) -> dict:
+    """Stream the rank logs until torchrun exits, the deadline passes or stop_event is set; leave
+    nothing running on any exception (KeyboardInterrupt: every rank stopped, then re-raised).
+    Returns the job's processes seen ({pid: process})."""
     exited = _ExitWaiter(proc)
     known: dict = {}
-    next_scan = 0.0
     try:
         # Orphans of an earlier kernel that died hard: ended while torchrun starts (this job's processes
         # have a live owner, this one, so they are never among them): a /proc walk that need not delay it
         ended = clean(all_jobs=False)
         if ended:
             print(f"[labkit] ended what an earlier launch left running: {describe(ended)}", flush=True)
-        while proc.poll() is None:
-            streamer.poll()
-            now = time.monotonic()
-            if now >= next_scan:  # the ranks, to end them if torchrun goes; a /proc walk, so not every tick
-                for c in descendants(proc.pid):
-                    known.setdefault(c.pid, c)
-                next_scan = now + (0.1 if now - started < 2 else 0.5)
-            if timeout is not None and time.monotonic() - started > timeout:
-                stop_job(proc, known, dump_stacks=True)
-                run.status = "timeout"
-                break
-            if stop_event is not None and stop_event.is_set():
-                stop_job(proc, known)
-                run.status = "interrupted"
-                run.error = "stopped on request (stop_event); every rank was stopped"
-                break
-            exited(0.1)  # wakes the moment torchrun exits, not at the next tick
+        _follow(spec, run, proc, streamer, known, exited, started)
     except KeyboardInterrupt:
         stop_job(proc, known)
         run.status = "interrupted"
@@ -140,12 +204,40 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
         run.error = "interrupted by the user (KeyboardInterrupt); every rank was stopped"
         run.finish(started)
         bar.close("interrupted")
-        print(f"[labkit] interrupted: every rank stopped; logs kept in {run_dir}", file=sys.stderr, flush=True)
+        print(f"[labkit] interrupted: every rank stopped; logs kept in {run.run_dir}", file=sys.stderr, flush=True)
         raise
     finally:
         if proc.poll() is None:  # any other exception: leave nothing running
             stop_job(proc, known)
         exited.close()
+    return known
+
+
+def _follow(spec: LaunchSpec, run: Run, proc: subprocess.Popen, streamer: Streamer, known: dict,
+            exited: "_ExitWaiter", started: float) -> None:
+    """The watch loop: stream, note the ranks (`known`), stop the job at its deadline or on request."""
+    next_scan = 0.0
+    while proc.poll() is None:
+        streamer.poll()
+        now = time.monotonic()
+        if now >= next_scan:  # the ranks, to end them if torchrun goes; a /proc walk, so not every tick
+            for c in descendants(proc.pid):
+                known.setdefault(c.pid, c)
+            next_scan = now + (0.1 if now - started < 2 else 0.5)
+        if spec.timeout is not None and time.monotonic() - started > spec.timeout:
+            stop_job(proc, known, dump_stacks=True)
+            run.status = "timeout"
+            return
+        if spec.stop_event is not None and spec.stop_event.is_set():
+            stop_job(proc, known)
+            run.status = "interrupted"
+            run.error = "stopped on request (stop_event); every rank was stopped"
+            return
+        exited(0.1)  # wakes the moment torchrun exits, not at the next tick
+
+
+def _conclude(spec: LaunchSpec, run: Run, proc: subprocess.Popen, known: dict, streamer: Streamer) -> None:
+    """After torchrun: no rank left behind, the last output read, the status and what went wrong."""
     run.returncode = proc.returncode
     stop_job(proc, known, grace=2.0)  # workers exit before torchrun; make sure none lingers
     streamer.poll(final=True)
@@ -153,21 +245,15 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
         run.status = "ok" if proc.returncode == 0 else "failed"
     if run.status == "timeout":
         where = stack_report(run)
-        run.error = (f"The job did not finish within the {timeout:g} s deadline and was stopped. Where each rank "
-                     f"was (full stacks in stacks.txt and each rank's stderr.log):\n"
+        run.error = (f"The job did not finish within the {spec.timeout:g} s deadline and was stopped. Where each "
+                     f"rank was (full stacks in stacks.txt and each rank's stderr.log):\n"
                      + "\n".join(f"  rank {r}: {w}" for r, w in where.items())
                      + "\nRaise the deadline with timeout= (--timeout) if the job is just slow.")
     elif run.status == "failed":
         run.failed_rank, reason = first_failure(run)
-        run.rank_exitcodes = failed_ranks_from_launcher((run_dir / "launcher.log").read_text(errors="replace"))
+        run.rank_exitcodes = failed_ranks_from_launcher((run.run_dir / "launcher.log").read_text(errors="replace"))
         who = f"Rank {run.failed_rank}" if run.failed_rank is not None else "The job"
         run.error = f"{who} failed: {reason}"
-    run.finish(started)
-    bar.close(run.status)
-    streamer.close()
-    if run.status != "ok" and check and run.status != "interrupted":
-        raise LaunchError(error_message(run, run.error or "the job failed"), run)
-    return run
 
 
 class _ExitWaiter:
