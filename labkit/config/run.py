@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from .options import AUTOCAST_DTYPES, DTYPES, derived_fields, validate_dtypes, validate_parallel
 from .presets import BLOCK_PREFIXES, LAYOUTS, ModelPreset, PRESETS, validate_model
 from ..core.errors import ConfigError, positive_int
 from ..schedules.table import SCHEDULES, ScheduleInfo, _divisors, layer_bounds, schedule_info, stage_placement, validate_microbatches, validate_schedule, validate_sizes
@@ -19,12 +20,6 @@ SPLIT_MODES = ("manual", "tracer")
 
 
 DEVICES = ("auto", "cpu", "cuda")
-
-
-DTYPES = ("float32", "bfloat16", "float64")
-
-
-AUTOCAST_DTYPES = ("bfloat16",)
 
 
 def _flag(*flags: str, choices=None) -> dict:
@@ -157,6 +152,7 @@ class RunConfig:
             self.split_points = list(self.split_points)
             if not self.auto_split:
                 self.layer_bounds()  # validates
+                self.split_points = self._kit_names()  # a family's own module names as layers.<i>
         if self.layout == "tutorial" and preset.seq_len % self.n_microbatches:
             raise ConfigError(
                 f"With the tutorial layout the microbatches cut the sequence ({preset.seq_len} tokens): use "
@@ -164,6 +160,8 @@ class RunConfig:
             )
         validate_microbatches(info, self.pp_size, self.n_stages, self.n_microbatches)
         validate_parallel(self)
+        for name, value in derived_fields(self).items():  # validation changes nothing; the derivation is here
+            setattr(self, name, value)
         if self.schedule_csv is not None:
             self.schedule_csv = os.path.abspath(self.schedule_csv)
             validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank, self.inference,
@@ -209,18 +207,15 @@ class RunConfig:
             raise ConfigError(f"split_points 'auto' stands alone (--split-points auto), got {self.split_points}; the "
                               f"job chooses the points from measured block costs.")
         valid = [f"layers.{i}" for i in range(1, n_layers)]
-        prefix = BLOCK_PREFIXES.get(self.model_name)
-        if prefix:  # a transformers model's own module names are accepted too (transformer.h.3)
-            self.split_points = [f"layers.{sp.rsplit('.', 1)[1]}" if sp.startswith(prefix + ".") else sp
-                                 for sp in self.split_points]
-        if len(self.split_points) != self.n_stages - 1:
+        points = self._kit_names()
+        if len(points) != self.n_stages - 1:
             raise ConfigError(
                 f"{self.n_stages} stages need {self.n_stages - 1} split points (where stages 1..{self.n_stages - 1} "
-                f"begin), got {len(self.split_points)}: {self.split_points}. Pass one per stage boundary, "
+                f"begin), got {len(points)}: {points}. Pass one per stage boundary, "
                 f"e.g. {valid[:self.n_stages - 1]}."
             )
         starts = []
-        for sp in self.split_points:
+        for sp in points:
             if sp not in valid:
                 raise ConfigError(
                     f"Split point {sp!r} names no module where a stage can begin. The model's decoder layers are "
@@ -228,8 +223,14 @@ class RunConfig:
                 )
             starts.append(int(sp.split(".")[1]))
         if starts != sorted(set(starts)):
-            raise ConfigError(f"Split points must be distinct and in model order, got {self.split_points}.")
+            raise ConfigError(f"Split points must be distinct and in model order, got {points}.")
         return [0, *starts, n_layers]
+
+    def _kit_names(self) -> list[str]:
+        """split_points with a transformers model's own module names (transformer.h.3) as layers.3."""
+        prefix = BLOCK_PREFIXES.get(self.model_name)
+        return [f"layers.{sp.rsplit('.', 1)[1]}" if prefix and sp.startswith(prefix + ".") else sp
+                for sp in self.split_points]
 
     def accumulated(self) -> "RunConfig":
         """This run with G (--accumulate) batches in one: the data of one whole update."""
@@ -266,82 +267,6 @@ def read_config_json(path: str | os.PathLike) -> dict:
         raise ConfigError(f"No config at {p}: the kit's jobs read their config from the run directory's "
                           f"config.json, which `labkit run` writes. Launch through `labkit run`, or pass "
                           f"--config PATH.") from None
-
-
-def validate_checkpoints(cfg: "RunConfig") -> None:
-    if cfg.clip_grad_norm is not None and not (isinstance(cfg.clip_grad_norm, (int, float)) and cfg.clip_grad_norm > 0):
-        raise ConfigError(f"--clip-grad-norm must be a positive number, got {cfg.clip_grad_norm!r}.")
-    if (cfg.checkpoint or cfg.resume) and (cfg.model_name != "tutorial" or cfg.split != "manual" or cfg.inference):
-        raise ConfigError("--checkpoint / --resume save and load the stages of the tutorial model cut by hand (its "
-                          "stages keep the unsplit model's parameter names): use --model tutorial --split manual.")
-    if cfg.checkpoint:
-        cfg.checkpoint = os.path.abspath(cfg.checkpoint)
-        if os.path.isdir(cfg.checkpoint) and os.listdir(cfg.checkpoint):
-            raise ConfigError(f"--checkpoint {cfg.checkpoint} already holds files: choose a new folder (a checkpoint "
-                              f"is never written over another).")
-    if cfg.resume:
-        cfg.resume = os.path.abspath(cfg.resume)
-        if not os.path.isfile(os.path.join(cfg.resume, ".metadata")):
-            raise ConfigError(f"--resume {cfg.resume}: no checkpoint there (no .metadata file). Save one first with "
-                              f"labkit run ... --checkpoint {cfg.resume}.")
-
-
-TP_TOLERANCE = 1e-3   # RunConfig.tolerance's default with tensor parallelism (float32 sums in another order)
-
-
-def validate_dtypes(cfg: "RunConfig") -> None:
-    """--dtype, --autocast and --tolerance: values the job can run and check."""
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}. Use --dtype float32 (the default), "
-                          f"bfloat16 or float64.")
-    if cfg.autocast is not None and cfg.autocast not in AUTOCAST_DTYPES:
-        raise ConfigError(f"autocast must be one of {AUTOCAST_DTYPES}, got {cfg.autocast!r}. Use --autocast bfloat16, "
-                          f"or leave it out for no autocast.")
-    if cfg.autocast is not None and cfg.dtype != "float32":
-        raise ConfigError(f"--autocast {cfg.autocast} keeps float32 weights and computes in {cfg.autocast}: it needs "
-                          f"--dtype float32, got --dtype {cfg.dtype}. Drop one of the two.")
-    if cfg.tolerance is not None and not (isinstance(cfg.tolerance, (int, float)) and cfg.tolerance > 0):
-        raise ConfigError(f"--tolerance must be a positive number, got {cfg.tolerance!r}; leave it out to judge the "
-                          f"step against its measured float noise.")
-
-
-def validate_parallel(cfg: "RunConfig") -> None:
-    """Data and tensor parallelism around the pipeline: sizes that divide, and what is supported."""
-    positive_int("accumulate", cfg.accumulate, "Pass --accumulate G with G >= 1 (1: no accumulation).")
-    validate_checkpoints(cfg)
-    if cfg.accumulate > 1 and (cfg.model_name != "tutorial" or cfg.inference or cfg.schedule_csv):
-        raise ConfigError("--accumulate is wired for training steps of the tutorial model: drop --inference and "
-                          "--schedule-csv, and use --model tutorial.")
-    positive_int("dp_size", cfg.dp_size, "Pass --dp-size D with D >= 1 (1: no data parallelism).")
-    positive_int("tp_size", cfg.tp_size, "Pass --tp-size T with T >= 1 (1: no tensor parallelism).")
-    if not cfg.composed:
-        return
-    if cfg.fsdp and cfg.dp_size < 2:
-        raise ConfigError("--fsdp shards each stage over its data-parallel replicas: pass --dp-size 2 or more.")
-    if cfg.batch_size % (cfg.dp_size * cfg.n_microbatches):
-        raise ConfigError(
-            f"Batch size {cfg.batch_size} does not split into {cfg.dp_size} replicas x {cfg.n_microbatches} "
-            f"microbatches: each replica steps batch/dp samples cut into equal microbatches. Use a --batch-size "
-            f"that is a multiple of {cfg.dp_size * cfg.n_microbatches}.")
-    if (cfg.dtype != "float32" or cfg.autocast) and cfg.composed:
-        raise ConfigError(f"--dtype {cfg.dtype}{' --autocast ' + cfg.autocast if cfg.autocast else ''} is wired for "
-                          f"pipelines alone: FSDP2's and TP's own mixed-precision policies are not. Use --dp-size 1 "
-                          f"--tp-size 1 (no --fsdp), or --dtype float32 without --autocast.")
-    if cfg.tp_size > 1 and cfg.tolerance is None:
-        # TP cuts every MLP matmul's sum in tp parts: in float32 the order of additions changes, a
-        # pre-activation within rounding of 0 lands on the other side of a ReLU, and the tutorial model's
-        # gradients move by up to ~1e-4 (99000x the floor the reference measures on itself: its own
-        # reorderings flip no ReLU). The same run in float64 agrees to 1e-12 (tests/test_parallel.py),
-        # so it is rounding, not a bug; the default check allows 1e-3 absolute.
-        cfg.tolerance = TP_TOLERANCE
-    if cfg.tp_size > 1 and cfg.model_name in ("gpt2", "bert"):
-        raise ConfigError(f"--tp-size {cfg.tp_size} with --model {cfg.model_name}: the kit's tensor-parallel plans cover "
-                          f"the tutorial model and Llama-layout models (q/k/v/o and gate/up/down projections); "
-                          f"{cfg.model_name}'s attention is one fused projection. Use --dp-size (with or without "
-                          f"--fsdp), or --model llama.")
-    if cfg.inference or cfg.schedule_csv or cfg.split != "manual":
-        raise ConfigError("Data or tensor parallelism runs training steps of manually split stages: drop "
-                          "--inference, --schedule-csv and --split tracer, or use --dp-size 1 --tp-size 1.")
 
 
 def read_order_csv(path: str | os.PathLike) -> dict[int, list[str]]:
