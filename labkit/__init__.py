@@ -8,8 +8,8 @@
 __version__ = "0.1.0"
 
 # torch's heavy imports with Python's cyclic collector paused, in whatever process imports the kit
-# before torch (a notebook's kernel, the `labkit` command): about a second less of CPU per process
-# (labkit.core.startup; LABKIT_GC_PAUSE=0 turns it off). The launcher's processes get it from the
+# before torch (a notebook's kernel, the `labkit` command): labkit.core.startup (LABKIT_GC_PAUSE=0
+# turns it off). The launcher's processes get it from the
 # ranks' sitecustomize.
 from .core.startup import pause_heavy_imports as _pause  # noqa: E402
 

@@ -688,6 +688,18 @@ def _spans_rows(so: dict | None) -> list[str]:
             f"| span recording: A/A control (same jobs, no recording) | {aa['ratio']:.3f}x | ~1 | - |"]
 
 
+# RESULTS.md from this heading on is kept by hand (figures the modules' docstrings used to carry, each under its
+# module's name, with its date); a run of this script rewrites the tables above it and keeps that part as it is.
+KEPT_HEADING = "## Figures behind the modules"
+
+
+def kept_notes(path) -> str:
+    """The hand-kept tail of an existing RESULTS.md (from KEPT_HEADING on), "" where there is none."""
+    text = path.read_text() if path.exists() else ""
+    i = text.find(KEPT_HEADING)
+    return "\n" + text[i:] if i >= 0 else ""
+
+
 def markdown(res: dict) -> str:
     f = res["fidelity"]
     worst = max(abs(r["measured_bubble"] - r["ideal_bubble"]) for r in f) if f else float("nan")
@@ -787,7 +799,7 @@ def main(argv=None) -> int:
         res = run_all(quick=a.quick, notebooks=not a.no_notebooks)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))
-    (out / "RESULTS.md").write_text(markdown(res))
+    (out / "RESULTS.md").write_text(markdown(res) + kept_notes(out / "RESULTS.md"))
     print(markdown(res))
     return 0
 

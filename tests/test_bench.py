@@ -162,3 +162,13 @@ def test_the_paper_table_puts_the_papers_rate_beside_the_kits():
     text = "\n".join(bench._paper_rows(out))
     assert "| 1.5B | 8 | 24 | 0.2431 / 0.2431 | 0.1585 / 0.1585 | 0.1083 / 0.1083 | 0.1585 / - | 0.0433 / - | 0.1055 |" in text
     assert bench._paper_rows(None) == []
+
+
+def test_rewriting_results_keeps_the_hand_kept_figures(tmp_path):
+    """RESULTS.md's tail from KEPT_HEADING on (figures the modules cite) survives a bench run's rewrite."""
+    path = tmp_path / "RESULTS.md"
+    assert bench.kept_notes(path) == ""
+    path.write_text("# old tables\n\n" + bench.KEPT_HEADING + "\n\n### labkit/x.py\n\n1.5 s\n")
+    assert bench.kept_notes(path) == "\n" + bench.KEPT_HEADING + "\n\n### labkit/x.py\n\n1.5 s\n"
+    repo_results = REPO / "bench" / "RESULTS.md"
+    assert "### labkit/core/startup.py" in bench.kept_notes(repo_results)

@@ -1,15 +1,13 @@
 """A process's start-up: torch's heavy imports run with Python's cyclic collector paused.
 
 Importing torch, then its pipelining (dynamo, sympy and DTensor come with it), creates about 500,000
-long-lived objects, and the collector, running while they are created, walks them again and again.
-Measured on 2 cores (torch 2.15): a torchrun agent's start-up took 3.3 s of CPU with it and 2.3 s
-without, a rank's imports 4.9 s and 4.0 s, and notebook 04 under nbval 74 s and 58 s in all.
+long-lived objects, and the collector, running while they are created, walks them again and again
+(the CPU this saves: bench/RESULTS.md, the start-up rows and "labkit/core/startup.py").
 
 `pause_heavy_imports()` wraps the loaders of `HEAVY` so that each runs with the collector paused; when
 one ends, what it made is frozen (`gc.freeze`: kept for the process's life, never walked again, which
 is how long these modules live anyway) and the collector resumes for the script's own work. The
-price: the few cycles of garbage those imports leave (about 10,000 objects, 8 MB of a rank's 680 MB
-with torch 2.15) are kept too. Every process the launcher starts calls it (the ranks' sitecustomize,
+price: the few cycles of garbage those imports leave are kept too. Every process the launcher starts calls it (the ranks' sitecustomize,
 `labkit.spans.boot`: torchrun's agent and every rank, a user's own script too), and so does
 `import labkit` before torch (a notebook's kernel, the `labkit` command). `LABKIT_GC_PAUSE=0` turns
 it off. Standard library only: it runs before anything is imported. Paired figures: `scripts/bench.py

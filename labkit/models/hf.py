@@ -28,17 +28,14 @@ a checkpoint), as torchtitan does. The stage's forward calls transformers' own b
 
 Tracer split (`trace_pipe`): `pipeline()` on the whole model with the same settings, plus two:
 
-- traced under `torch.no_grad()`. Up to transformers 5.23 the rotary module's forward (Llama and its
-  family) is decorated `@torch.no_grad()` (5.24 removed the decorator from every rotary module, and a
-  plain `pipeline()` of a Llama runs there: notebook 11); export records that grad-mode switch as a
-  region of its own (a `wrap_with_set_grad_enabled` higher-order op), and the unflattener,
-  rebuilding modules from the graph, cuts `rotary_emb`'s call in two around it and gives one part no
-  inputs: on torch 2.13 to 2.15 the first stage fails at its first call ('Expected positional
-  argument for parameter position_ids'), on 2.11 `pipeline()` itself fails ('unexpected placeholder
-  node'); pytorch/pytorch#184361. Under `no_grad` the switch changes nothing, export records no region, and
-  the rotary module stays whole. Training is unaffected: export records the operations, not the grad
-  mode; the stages run them with autograd on, and the region held no parameter (the reference
-  check compares every gradient). A model whose `no_grad` region does hold a parameter's use would
+- traced under `torch.no_grad()`. A module whose forward switches grad mode (transformers' rotary
+  module up to 5.23 is decorated `@torch.no_grad()`) is recorded by export as a region of its own (a
+  `wrap_with_set_grad_enabled` higher-order op), which the unflattener cuts in two, leaving one part
+  without inputs, and the split fails (pytorch/pytorch#184361; the failures on each release:
+  bench/RESULTS.md, "labkit/models/hf.py"). Under `no_grad` the switch changes nothing, export
+  records no region, and the rotary module stays whole. Training is unaffected: export records the
+  operations, not the grad mode; the stages run them with autograd on, and the region held no
+  parameter (the reference check compares every gradient). A model whose `no_grad` region does hold a parameter's use would
   differ, and its check would say so. The kit keeps this setting on every release: it changes
   nothing where there is no region (5.24), and keeps 5.23, the oldest release supported, working.
 - `labkit.models.skips.carry_skips`: the masks and rotary embeddings are computed once, on the first

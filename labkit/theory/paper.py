@@ -161,7 +161,7 @@ def comparison(settings=SETTINGS, search_settings=(), *, time_limit: float = 0.0
     ZB-1p and ZB-2p as the kit's `search` at memory limits p and 2p, for `search_settings` only, with
     the paper's memory count (`weight_memory`; paper_memory=False holds everything until W), and
     with `time_limit` > 0 the exact model for that many seconds per search; with `variants` the list
-    scheduler's variants too: 15-40 s a search at p=8 on 2 busy cores, and none won a row). Each searched entry also
+    scheduler's variants too: slower, see bench/RESULTS.md). Each searched entry also
     says how long it took (`seconds`), the proven bound on the rate (`bound`: the closed form's or the
     solver's), whether it meets it (`optimal`) and whether it is at or below the printed rate, unrounded."""
     rows = []
