@@ -5,7 +5,7 @@ critical path) and W (the weight gradient, free to move) and schedule W into the
 memory allows. `search` builds such an order in two passes, as the paper does (its heuristic, then
 its ILP):
 
-1. **List scheduling** (fast, the seed). Whenever a rank is free it runs, in this order of
+1. **List scheduling** (fast, the seed; `labkit.theory.listing`). Whenever a rank is free it runs, in this order of
    preference: an I whose gradient has arrived (it unblocks the previous stage), an F whose input
    has arrived if memory allows, a deferred W (it fills time the rank would otherwise idle, and
    frees memory); otherwise it waits for the next arrival. Variants of the rule (how many W a rank
@@ -43,13 +43,13 @@ format), which adds the sends and receives itself. Taught in notebook 13.
 from __future__ import annotations
 
 import math
-from collections import deque
 from itertools import chain, product
 
 from ..core.errors import ConfigError
 from ..schedules.orders import PlannedAction, check_order
 from .bounds import period_bound  # re-exported
 from .cost import Cost
+from .listing import list_schedule, placement  # noqa: F401 (placement: search's name for it, kept)
 from .polish import polish
 from .score import SearchResult, evaluate, lower_bound, rank_spans  # noqa: F401 (re-exported)
 from .simulate import memory_peak
@@ -58,14 +58,6 @@ from .zbheuristic import best_order
 
 OBJECTIVES = ("period", "makespan")
 
-
-
-def placement(pp_size: int, stages_per_rank: int) -> list[list[int]]:
-    """Stages on each rank: one per rank, or torch's V with two (rank r holds r and 2P-1-r, as
-    ZBVZeroBubble and DualPipeV place them)."""
-    if stages_per_rank == 1:
-        return [[r] for r in range(pp_size)]
-    return [[r, 2 * pp_size - 1 - r] for r in range(pp_size)]
 
 
 def zb_h1_makespan(pp_size: int, n_microbatches: int, cost: Cost) -> float:
@@ -91,105 +83,6 @@ def _validate(pp_size: int, n_microbatches: int, memory_limit: float, stages_per
         raise ConfigError(f"--memory-limit must hold at least one microbatch of a stage ({unit:g} in 1F1B stage "
                           f"microbatches with {stages_per_rank} stage(s) per rank), got {memory_limit}. 1F1B holds up "
                           f"to pp_size ({pp_size}) on rank 0; try --memory-limit {pp_size}.")
-
-
-def _at(t: float | None) -> float:
-    return float("inf") if t is None else t
-
-
-def _list_schedule(pp_size: int, spr: int, m: int, cost: Cost, limit: float, weight_memory: float,
-                   max_deferred: int, f_before_i: bool, extra_warmup: int) -> dict[int, list[PlannedAction]] | None:
-    """One pass of the rule; None if it gets stuck."""
-    f, i, w, c = cost.F, cost.input_grad, cost.weight_grad, cost.p2p
-    stages = placement(pp_size, spr)
-    n = pp_size * spr
-    rank_of = {s: r for r, ss in enumerate(stages) for s in ss}
-    prefer = [sorted(ss, reverse=True) for ss in stages]  # the stage nearer the loss first
-    unit = 1.0 / spr
-    end: dict[PlannedAction, float] = {}
-    order: dict[int, list[PlannedAction]] = {r: [] for r in range(pp_size)}
-    free = [0.0] * pp_size
-    next_f = [0] * n
-    pending_i = [set() for _ in range(n)]   # forwarded, input-gradient not yet computed
-    pending_w = [deque() for _ in range(n)]  # I done, W not yet (FIFO)
-    held = [0.0] * pp_size
-    in_flight = [0] * pp_size                # F done, I not yet, over the rank's stages
-    warm = [(pp_size - r if spr == 1 else 2 * (pp_size - r) - 1) + extra_warmup for r in range(pp_size)]
-    total = 3 * m * n
-
-    def arrival(a: PlannedAction, rank: int) -> float | None:
-        kind, s, mb = a
-        if kind == "F":
-            deps = [("F", s - 1, mb)] if s > 0 else []
-        elif kind == "I":
-            deps = [("F", s, mb)] + ([("I", s + 1, mb)] if s < n - 1 else [])
-        else:
-            deps = [("I", s, mb)]
-        t = 0.0
-        for d in deps:
-            if d not in end:
-                return None
-            t = max(t, end[d] + (c if rank_of[d[1]] != rank else 0.0))
-        return t
-
-    def may_forward(r: int, s: int) -> bool:
-        # V: a forward on the rank's first stage leaves room for one on its second, whose backward
-        # is what frees memory (without it both legs fill the rank and wait for each other)
-        room = unit if spr > 1 and s == stages[r][0] and next_f[stages[r][1]] < m else 0.0
-        return next_f[s] < m and held[r] + unit + room <= limit + 1e-9 and in_flight[r] < warm[r]
-
-    def candidates(r: int, t: float) -> list[tuple[int, int, PlannedAction]]:
-        cands = []
-        deferred = sum(len(pending_w[s]) for s in stages[r])
-        for k, s in enumerate(prefer[r]):
-            if deferred > max_deferred and pending_w[s]:
-                cands.append((0, k, ("W", s, pending_w[s][0])))
-            ready = sorted(mb for mb in pending_i[s] if _at(arrival(("I", s, mb), r)) <= t)
-            if ready:
-                cands.append((2 if f_before_i else 1, k, ("I", s, ready[0])))
-            if may_forward(r, s) and _at(arrival(("F", s, next_f[s]), r)) <= t:
-                cands.append((1 if f_before_i else 2, k, ("F", s, next_f[s])))
-            if pending_w[s]:
-                cands.append((3, k, ("W", s, pending_w[s][0])))
-        return cands
-
-    def earliest(r: int) -> float:
-        if any(pending_w[s] for s in stages[r]):
-            return free[r]
-        times = []
-        for s in stages[r]:
-            times += [arrival(("I", s, mb), r) for mb in pending_i[s]]
-            if may_forward(r, s):
-                times.append(arrival(("F", s, next_f[s]), r))
-        known = [x for x in times if x is not None]
-        return max(free[r], min(known)) if known else float("inf")
-
-    for _ in range(total):
-        r = min(range(pp_size), key=lambda k: (earliest(k), k))
-        t = earliest(r)
-        if t == float("inf"):
-            return None  # every rank waits for something no rank will run
-        cands = candidates(r, t)
-        if not cands:
-            return None
-        kind, s, mb = a = min(cands)[2]
-        end[a] = t + {"F": f, "I": i, "W": w}[kind]
-        free[r] = end[a]
-        order[r].append(a)
-        if kind == "F":
-            next_f[s] += 1
-            held[r] += unit
-            in_flight[r] += 1
-            pending_i[s].add(mb)
-        elif kind == "I":
-            pending_i[s].discard(mb)
-            pending_w[s].append(mb)
-            held[r] -= (1 - weight_memory) * unit
-            in_flight[r] -= 1
-        else:
-            pending_w[s].popleft()
-            held[r] -= weight_memory * unit
-    return order
 
 
 def handcrafted(kind: str, pp_size: int, n_microbatches: int) -> dict[int, list[PlannedAction]]:
@@ -284,7 +177,7 @@ def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: fl
     best: SearchResult | None = None
     seen: set = set()
     seeds_that_fit = []
-    rule_orders = ((_list_schedule(pp_size, spr, m, cost, memory_limit, weight_memory, d, fi, extra),
+    rule_orders = ((list_schedule(pp_size, spr, m, cost, memory_limit, weight_memory, d, fi, extra),
                  f"warm-up +{extra} F; defer at most {d} W; {'F' if fi else 'I'} first")
                 for extra, d, fi in (_variants(pp_size, m, memory_limit, spr) if variants else ()))
     for order, rule in chain(_seeds(pp_size, m, spr, cost, memory_limit, weight_memory), rule_orders):
