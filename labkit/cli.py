@@ -104,7 +104,8 @@ def cmd_run(a) -> int:
     ranks = res.get("world_size") or res.get("pp_size")
     mesh = f" (pp {res['pp_size']} x dp {res['dp_size']} x tp {res['tp_size']})" if res.get("world_size") else ""
     print(f"[labkit] {r.status}: {res.get('schedule')} on {ranks} ranks{mesh}, reference_match="
-          f"{res.get('reference_match')}, max_abs_diff={res.get('max_abs_diff', float('nan')):.2e}; run directory {r.run_dir}")
+          f"{res.get('reference_match')}, max_abs_diff={res.get('max_abs_diff', float('nan')):.2e}; "
+          f"run directory {r.run_dir}")
     return 0
 
 
@@ -200,7 +201,8 @@ def cmd_timeline(a) -> int:
         out["source"] = "logs" if out["source"] == "measured" else out["source"]  # say where it came from
         if len(tl.pipelines) > 1:  # several pipelines (pp x dp): each its own metrics and fitted ideal
             out["pipelines"] = _pipelines_json(tl, a.paths[0] if len(a.paths) == 1 else None, a.source)
-        brief = {"metrics": out["metrics"], "meta": out["meta"], **({"pipelines": out["pipelines"]} if "pipelines" in out else {})}
+        brief = {"metrics": out["metrics"], "meta": out["meta"],
+                 **({"pipelines": out["pipelines"]} if "pipelines" in out else {})}
         print(json.dumps(out if a.json else brief, indent=None if a.json else 2))
     return 0
 
@@ -274,7 +276,8 @@ def cmd_search(a) -> int:
         Path(a.csv).write_text(r.csv())
         spr = " --schedule ZBVZeroBubble --stages-per-rank 2" if a.stages_per_rank != 1 else ""  # its V placement
         print(f"wrote {a.csv} (torch's compute-only CSV: run it on torch's runtime, checked against the unsplit "
-              f"model, with `labkit run --nproc {a.pp_size} --microbatches {a.microbatches}{spr} --schedule-csv {a.csv}`)",
+              f"model, with `labkit run --nproc {a.pp_size} --microbatches {a.microbatches}{spr} "
+              f"--schedule-csv {a.csv}`)",
               file=sys.stderr)
     data = r.to_json()
     data["zb_h1_makespan"] = zb_h1_makespan(a.pp_size, a.microbatches, cost)

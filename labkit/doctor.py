@@ -55,7 +55,8 @@ def doctor() -> dict:
     gpus, backends = 0, []
     if torch_v is None:
         problems.append({"what": "torch is not installed",
-                         "fix": f"pip install 'torch>={text(SUPPORTED[0])}' (or a CUDA build on GPU nodes, see README)"})
+                         "fix": f"pip install 'torch>={text(SUPPORTED[0])}' "
+                                "(or a CUDA build on GPU nodes, see README)"})
     else:
         import torch
         import torch.distributed as dist

@@ -115,7 +115,8 @@ class Progress:
         if self._widget is not None:
             self._bar.max = self.state.total or 1
             self._bar.value = min(self.state.done, self._bar.max)
-            self._bar.bar_style = {"done": "success", "ok": "success", "running": "info"}.get(self.state.status, "danger")
+            styles = {"done": "success", "ok": "success", "running": "info"}
+            self._bar.bar_style = styles.get(self.state.status, "danger")
             self._label.value = self.state.text()
         elif self._tty:
             sys.stderr.write("\r" + self.state.text())

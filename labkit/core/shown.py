@@ -4,7 +4,7 @@ notebook's stored output holds no one's home, checkout or virtual environment).
 
     /work/me/.venv/bin/python -m torch.distributed.run ...   ->  python -m torch.distributed.run ...
     File "/work/me/.venv/lib/python3.11/site-packages/torch/distributed/pipelining/stage.py"
-                                                             ->  File "<site-packages>/torch/distributed/pipelining/stage.py"
+        ->  File "<site-packages>/torch/distributed/pipelining/stage.py"
     /work/me/pp-lab/notebooks/runs/2026...-ranks-1a2b3c      ->  runs/2026...-ranks-1a2b3c   (from notebooks/)
     /work/me/pp-lab/labkit/spans/record.py                   ->  ../labkit/spans/record.py
     /tmp/ipykernel_6182/889793550.py                         ->  <cell>

@@ -7,11 +7,11 @@ long-lived objects, and the collector, running while they are created, walks the
 `pause_heavy_imports()` wraps the loaders of `HEAVY` so that each runs with the collector paused; when
 one ends, what it made is frozen (`gc.freeze`: kept for the process's life, never walked again, which
 is how long these modules live anyway) and the collector resumes for the script's own work. The
-price: the few cycles of garbage those imports leave are kept too. Every process the launcher starts calls it (the ranks' sitecustomize,
-`labkit.spans.boot`: torchrun's agent and every rank, a user's own script too), and so does
-`import labkit` before torch (a notebook's kernel, the `labkit` command). `LABKIT_GC_PAUSE=0` turns
-it off. Standard library only: it runs before anything is imported. Paired figures: `scripts/bench.py
---only startup`.
+price: the few cycles of garbage those imports leave are kept too. Every process the launcher starts
+calls it (the ranks' sitecustomize, `labkit.spans.boot`: torchrun's agent and every rank, a user's
+own script too), and so does `import labkit` before torch (a notebook's kernel, the `labkit`
+command). `LABKIT_GC_PAUSE=0` turns it off. Standard library only: it runs before anything is
+imported. Paired figures: `scripts/bench.py --only startup`.
 
 May import: nothing of labkit."""
 

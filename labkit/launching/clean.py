@@ -41,7 +41,8 @@ def kit_processes() -> list[KitProcess]:
             continue
         owner = env.get(OWNER_VAR, "")
         # No owner recorded: we cannot know, so it is never treated as an orphan (only --all ends it).
-        found.append(KitProcess(p.pid, p.info["name"] or "?", run_dir, owner, orphan=bool(owner) and not owner_alive(owner)))
+        orphan = bool(owner) and not owner_alive(owner)
+        found.append(KitProcess(p.pid, p.info["name"] or "?", run_dir, owner, orphan=orphan))
     return found
 
 

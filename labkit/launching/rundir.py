@@ -119,10 +119,12 @@ class Run:
         (self.run_dir / "run.json").write_text(json.dumps(self.to_dict(), indent=2))
 
     def __repr__(self) -> str:
-        return f"Run(status={self.status!r}, returncode={self.returncode}, wall_time_s={self.wall_time_s:.1f}, run_dir='{self.run_dir}')"
+        return (f"Run(status={self.status!r}, returncode={self.returncode}, wall_time_s={self.wall_time_s:.1f}, "
+                f"run_dir='{self.run_dir}')")
 
 
-def new_run_dir(out: str | os.PathLike | None = None, name: str = "run", runs_root: str | os.PathLike | None = None) -> Path:
+def new_run_dir(out: str | os.PathLike | None = None, name: str = "run",
+                runs_root: str | os.PathLike | None = None) -> Path:
     """A fresh run directory. An explicit `out` must not exist yet (or be empty): runs are never overwritten."""
     if out is not None:
         d = Path(out)
@@ -132,7 +134,8 @@ def new_run_dir(out: str | os.PathLike | None = None, name: str = "run", runs_ro
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"Cannot create run directory {d}: {e.strerror}. Pass an --out path you can write to.") from None
+            raise ConfigError(f"Cannot create run directory {d}: {e.strerror}. "
+                              "Pass an --out path you can write to.") from None
         if not os.access(d, os.W_OK):
             raise ConfigError(f"Run directory {d} is not writable. Pass an --out path you can write to.")
         return d

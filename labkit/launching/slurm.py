@@ -24,7 +24,8 @@ def slurm_script(kit_args: list[str], nodes: int, gpus_per_node: int = 0, job_na
         raise ConfigError("Give the labkit command to run on every node after --, e.g. "
                           "labkit slurm --nodes 2 -- run --schedule 1F1B --nproc 4")
     if any(a in kit_args for a in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--out")):
-        raise ConfigError("Leave out --nnodes, --node-rank, --rdzv-endpoint and --out: the batch script sets them per node.")
+        raise ConfigError("Leave out --nnodes, --node-rank, --rdzv-endpoint and --out: "
+                          "the batch script sets them per node.")
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={time_limit}"]
     if gpus_per_node:

@@ -19,7 +19,8 @@ STREAMS = ("output", "all", "none")
 # Where a new record begins (so the continuation lines of a multi-line pipelining record, such as
 # the tracer's printed graph, can be told apart): a log header in labkit's or torch's default
 # format, a traceback, a Python warning, or the kit's own lines.
-_RECORD_START = re.compile(r"^(\d{9,}\.\d+ [A-Z] |(\[rank\d+\]:)*[VDIWEC]\d{4} |Traceback |\S+\.py:\d+: \w*Warning|\[labkit\]|\[rank)")
+_RECORD_START = re.compile(r"^(\d{9,}\.\d+ [A-Z] |(\[rank\d+\]:)*[VDIWEC]\d{4} |Traceback "
+                           r"|\S+\.py:\d+: \w*Warning|\[labkit\]|\[rank)")
 
 
 def is_pp_log(line: str) -> bool:

@@ -64,7 +64,8 @@ def _groups(configs: list) -> list[list]:
 
 
 def run_points(cfgs: list, *, title: str = "sweep", runs_root=None, stream: str = "none", check: bool = True,
-               on_point: Callable[[int], None] | None = None, timeout=DEFAULT_TIMEOUT_S, env: dict | None = None) -> list:
+               on_point: Callable[[int], None] | None = None, timeout=DEFAULT_TIMEOUT_S,
+               env: dict | None = None) -> list:
     """RunConfigs of one world size in ONE job of the reference job (`--suite`); a `Run` per config,
     whose run_dir holds that config's config.json, result.json and spans. `check`: raise LaunchError
     when the job fails or a point's step does not match the unsplit model, as `labkit.run` does."""

@@ -79,9 +79,9 @@ class IdleReport:
         if not loads:
             return ""
         share = [v["share"] for v in loads if v.get("share") is not None]
-        return (f"; at the step's end: load average {max(v['load1'] for v in loads):.2f}, {max(v['runnable'] for v in loads)} "
-                f"runnable on {loads[0]['cores']} cores" + (f", each rank ran {min(share):.0%}-{max(share):.0%} of its step"
-                                                            if share else ""))
+        ran = f", each rank ran {min(share):.0%}-{max(share):.0%} of its step" if share else ""
+        return (f"; at the step's end: load average {max(v['load1'] for v in loads):.2f}, "
+                f"{max(v['runnable'] for v in loads)} runnable on {loads[0]['cores']} cores" + ran)
 
     def text(self) -> str:
         measured = " (measured from spans)" if self.source == "spans" else ""
@@ -99,9 +99,10 @@ class IdleReport:
                 own = sum(c["instrument overhead"] for c in self.idle.values())
                 lines.append(f"  instrument overhead (the kit's own wrappers): {1000 * own / n_gaps:.3f} ms per gap")
         if self.descheduled_in_actions:
+            inside = self.descheduled_in_actions
             lines.append(f"  {'descheduled inside actions':{w}s} "
-                         f"{sum(self.descheduled_in_actions.values()) / (len(self.idle) * self.makespan):6.1%}   per rank: "
-                         + ", ".join(f"{r}: {v / self.makespan:.1%}" for r, v in sorted(self.descheduled_in_actions.items()))
+                         f"{sum(inside.values()) / (len(self.idle) * self.makespan):6.1%}   per rank: "
+                         + ", ".join(f"{r}: {v / self.makespan:.1%}" for r, v in sorted(inside.items()))
                          + "  (not idle: the actions ran slower)")
             lines.append(f"  the machine was busy for {self.descheduled():.1%} of the step (between and inside actions)"
                          + self._load_text())

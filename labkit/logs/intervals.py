@@ -289,7 +289,8 @@ def timeline_from_path(paths: str | os.PathLike | Iterable[str | os.PathLike], y
         if p.is_dir():
             found = log_files(p)
             if not found:
-                raise FileNotFoundError(f"No logs in {p}: expected logs/<id>/attempt_0/<rank>/stderr.log or *.log files.")
+                raise FileNotFoundError(f"No logs in {p}: expected logs/<id>/attempt_0/<rank>/stderr.log "
+                                        "or *.log files.")
             files += found
         elif p.exists():
             files.append(p)
@@ -318,5 +319,6 @@ def trim_waits(tl: Timeline) -> Timeline:
         shortest[key] = min(shortest.get(key, a.duration), a.duration)
     acts = [Action(a.rank, a.stage, a.microbatch, a.kind, max(a.start, a.end - shortest[(a.stage, a.kind)]), a.end)
             if a.kind in COMPUTE_KINDS else a for a in tl.actions]
-    meta = {**tl.meta, "waits": "trimmed: start = max(logged start, end - shortest duration of that kind on that stage)"}
+    meta = {**tl.meta,
+            "waits": "trimmed: start = max(logged start, end - shortest duration of that kind on that stage)"}
     return Timeline(acts, tl.source, meta)

@@ -6,16 +6,18 @@ them and `labkit.logs.intervals` turns the meanings into a timeline. Taught in n
 
 What the messages mean (torch 2.11-2.14; the wording has been stable, line numbers move):
 
-| message | emitted by | marks |
-|---|---|---|
-| `_PipelineScheduleRuntime running time_step <t>, action <a>` | multi-stage schedules (runtime) | START of action `a` (`0F1`, `2I0`, `3W0`, `0B2`, `2SEND_F0`, `(0F3;3B1)OVERLAP_F_B`, `0UNSHARD`, and since torch 2.15 `1WAIT_SEND_F0`, `1WAIT_SEND_B0`, `0WAIT_REDUCE_GRAD`, ...) |
-| `[<stage>] Forwarded microbatch <i>` / `Backwarded microbatch <i>` | GPipe (and forward-only) | END of F / B (after the sends are posted) |
-| `[Stage <s>] Forwarded chunk <i>, outputs: ...` | every stage's forward | END of the forward compute |
-| `[Stage <s>] Backwarded chunk <i>` | every stage's backward (B, and I) | END of the backward compute |
-| `Using <ScheduleClass>` | schedule constructor | (no action) |
-| `Rank determined inference_mode=...` | first step's stage set-up | (no action) |
-| `[Stage <s>] Sending tensor|gradient to Stage <d>` | a stage building its send | when the neighbour's input left (`waits="split"`) |
-| `batch_p2p ...`, `Grad send info ...` | p2p details | (nothing) |
+- `_PipelineScheduleRuntime running time_step <t>, action <a>` (multi-stage schedules, the runtime):
+  START of action `a` (`0F1`, `2I0`, `3W0`, `0B2`, `2SEND_F0`, `(0F3;3B1)OVERLAP_F_B`, `0UNSHARD`,
+  and since torch 2.15 `1WAIT_SEND_F0`, `1WAIT_SEND_B0`, `0WAIT_REDUCE_GRAD`, ...);
+- `[<stage>] Forwarded microbatch <i>` / `Backwarded microbatch <i>` (GPipe, and forward-only):
+  END of F / B (after the sends are posted);
+- `[Stage <s>] Forwarded chunk <i>, outputs: ...` (every stage's forward): END of the forward compute;
+- `[Stage <s>] Backwarded chunk <i>` (every stage's backward, B and I): END of the backward compute;
+- `Using <ScheduleClass>` (schedule constructor), `Rank determined inference_mode=...` (the first
+  step's stage set-up): no action;
+- `[Stage <s>] Sending tensor|gradient to Stage <d>` (a stage building its send): when the
+  neighbour's input left (`waits="split"`);
+- `batch_p2p ...`, `Grad send info ...` (p2p details): nothing.
 
 W (backward for weights) has no line of its own, so only the runtime's START lines time it. GPipe
 even logs `Backwarded microbatch` lines when no backward ran (loss_fn=None); the timeline drops them.
@@ -53,9 +55,10 @@ class Event(NamedTuple):
     `sub`, its (kind, stage, microbatch) parts) for other runtime actions; SCHEDULE (`Using ...`,
     the class name in `action`); INIT (`Rank determined inference_mode`); None for anything else
     (p2p details, errors); P2P (`[Stage s] Sending tensor|gradient to Stage d`, `action` SEND_F or
-    SEND_B, stage = the sender; the microbatch is the one the stage just finished). `mark`: START ("running ... action", printed BEFORE the work), END (a
-    completion line), or None. `origin`: "runtime" (running time_step), "schedule" (GPipe's
-    `[s] Forwarded microbatch i`), "stage" (`[Stage s] Forwarded chunk i`), or None. A completion
+    SEND_B, stage = the sender; the microbatch is the one the stage just finished). `mark`: START
+    ("running ... action", printed BEFORE the work), END (a completion line), or None. `origin`:
+    "runtime" (running time_step), "schedule" (GPipe's `[s] Forwarded microbatch i`), "stage"
+    (`[Stage s] Forwarded chunk i`), or None. A completion
     line says "Backwarded" for both B and I: its kind is B. `time_step` numbers the runtime's
     actions (it restarts each step). `time` is in seconds (epoch; local time for the default format).
     """

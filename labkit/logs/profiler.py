@@ -9,8 +9,8 @@ torch's own annotations below (`cat: cpu_op`), so with asynchronous kernels they
 of an action's work, not the kernels (which the trace holds as separate device events, `cat: kernel`, on the GPU's
 streams; this reader does not use them). A GPU timeline needs device times: the kit's spans, CUDA
 events around each action (`labkit.spans.record`); what the profiler reads on a GPU has not been
-measured in this lab (notebook 06, section 4). For any other
-script, the schedules' own annotations are used: they wrap each action in `record_function`: `Forward <i>` / `Backward <i>` in the
+measured in this lab (notebook 06, section 4). For any other script, the schedules' own annotations
+are used: they wrap each action in `record_function`: `Forward <i>` / `Backward <i>` in the
 single-stage schedules (GPipe, 1F1B) and `PP:<action>` in the multi-stage runtime (`PP:0F1`,
 `PP:2I0`, `PP:3W0`, `PP:(0F3;3B1)OVERLAP_F_B`). Those spans begin BEFORE the wait for the
 incoming activation or gradient, so an action's compute is taken as the span of the operators
@@ -77,7 +77,8 @@ def actions_from_trace(trace: dict, rank: int, stage_of_rank: int | None = None)
     the operators inside them.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    kit = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(ANNOTATION_PREFIX)]
+    kit = [e for e in events
+           if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(ANNOTATION_PREFIX)]
     if kit:
         out = []
         for e in kit:

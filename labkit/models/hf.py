@@ -35,8 +35,8 @@ Tracer split (`trace_pipe`): `pipeline()` on the whole model with the same setti
   bench/RESULTS.md, "labkit/models/hf.py"). Under `no_grad` the switch changes nothing, export
   records no region, and the rotary module stays whole. Training is unaffected: export records the
   operations, not the grad mode; the stages run them with autograd on, and the region held no
-  parameter (the reference check compares every gradient). A model whose `no_grad` region does hold a parameter's use would
-  differ, and its check would say so. The kit keeps this setting on every release: it changes
+  parameter (the reference check compares every gradient). A model whose `no_grad` region does hold
+  a parameter's use would differ, and its check would say so. The kit keeps this setting on every release: it changes
   nothing where there is no region (5.24), and keeps 5.23, the oldest release supported, working.
 - `labkit.models.skips.carry_skips`: the masks and rotary embeddings are computed once, on the first
   stage, and read by every block; the carry turns those skip connections into a chain (each stage

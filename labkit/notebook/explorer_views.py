@@ -206,7 +206,8 @@ def measured_view(run_dir, png: bool = True) -> dict:
     ]
     lines.append("Measured from spans: both ends of every action, recorded in the ranks (labkit.spans)."
                  if measured.source == "spans" else
-                 "Measured from the PP logs, waits taken out (labkit.timeline.compare.load_timeline): starts are inferred.")
+                 "Measured from the PP logs, waits taken out (labkit.timeline.compare.load_timeline): "
+                 "starts are inferred.")
     view = {"measured": measured, "ideal": ideal, "measured_metrics": mm, "ideal_metrics": im, "cost": cost,
             "error": None, "html": "<br>".join(lines), "png": None}
     if png:

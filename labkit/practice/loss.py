@@ -31,7 +31,8 @@ def _token_sum(output: torch.Tensor, target: torch.Tensor, ignore_index: int) ->
     return F.cross_entropy(output.flatten(0, -2).float(), target.flatten(), ignore_index=ignore_index, reduction="sum")
 
 
-def token_loss(output: torch.Tensor, target: torch.Tensor, n_valid: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def token_loss(output: torch.Tensor, target: torch.Tensor, n_valid: int,
+               ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Cross-entropy summed over this microbatch's valid tokens, divided by `n_valid`, the count over the
     whole batch: the loss torch 2.13+'s `schedule.step(..., loss_kwargs={"n_valid": N})` passes the count to."""
     return _token_sum(output, target, ignore_index) / n_valid

@@ -70,8 +70,8 @@ def status_text(st: dict) -> str:
     head = (f"pool: {'running' if st['running'] else 'stopped'}, {st['nproc']} ranks, device {st['device']}, "
             f"backend {st['backend']}, cells run {st['cells_run']}, restarts {st['restarts']}\n"
             f"run dir: {shown(st['run_dir'])}")
-    rows = [f"  rank {r['rank']}: pid {r['pid']}, {'alive' if r['alive'] else 'gone'}, {'busy' if r['busy'] else 'idle'}"
-            for r in st["ranks"]]
+    rows = [f"  rank {r['rank']}: pid {r['pid']}, {'alive' if r['alive'] else 'gone'}, "
+            f"{'busy' if r['busy'] else 'idle'}" for r in st["ranks"]]
     return "\n".join([head, *rows])
 
 
@@ -103,7 +103,8 @@ def draw_timeline(pool: Ranks, cell: int | None = None):
 class RanksMagics(Magics):
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None):
-        """%ranks start|stop|restart|status [--nproc N] [--device D]; %%ranks [--ranks 0,1] [--timeline] [--timeout S]"""
+        """%ranks start|stop|restart|status [--nproc N] [--device D];
+        %%ranks [--ranks 0,1] [--timeline] [--timeout S]"""
         if cell is None:
             return self._line(line)
         return self._cell(line, cell)

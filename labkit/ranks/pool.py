@@ -43,7 +43,8 @@ from .readings import CellReadings
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_RANKS_TIMEOUT", "120"))  # a cell's deadline
 START_TIMEOUT_S = 120.0
 PEER_GRACE_S = 3.0       # after one rank fails, how long the others get to finish before they count as blocked
-STRANDED_S = 3.0         # after the other ranks left a cell, how long one may wait in torch.distributed before it is stranded
+STRANDED_S = 3.0         # after the other ranks left a cell, how long one may wait in torch.distributed
+                         # before it is stranded
 RELEASE_WAIT_S = 10.0    # after its gloo connections were ended, how long a blocked rank gets to leave the cell
 REGROUP_WAIT_S = 60.0    # ... and every rank to join the new process group
 INTERRUPT_GRACE_S = 3.0  # after SIGINT, how long the ranks get to stop
@@ -257,7 +258,8 @@ class Ranks(CellReadings):
                                  f"Where each rank was:")
                 parts += [f"  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(blocked.items())]
                 if not cell.failed() and not getattr(cell, "stranded", False):
-                    parts.append("If the cell is just slow, raise the deadline: exec(..., timeout=S) or %%ranks --timeout S.")
+                    parts.append("If the cell is just slow, raise the deadline: exec(..., timeout=S) "
+                                 "or %%ranks --timeout S.")
                 if not cell.dead and self._release(cell, blocked):
                     hint = _pipeline_hint({r: m.get("pipeline") for r, m in cell.failures.items()})
                     if hint:
@@ -281,7 +283,8 @@ class Ranks(CellReadings):
             if hint:
                 parts.insert(0, hint)
             parts.append(f"The pool keeps running and every rank keeps its namespace (on the failed "
-                         f"{_names(failed)}, what the cell did before the error stays done). Fix the cell and run it again.")
+                         f"{_names(failed)}, what the cell did before the error stays done). "
+                         "Fix the cell and run it again.")
             raise RanksError("\n".join(parts), n, failed, {}, False, dict(cell.results))
         return {r: cell.results.get(r) for r in cell.targets}
 
@@ -340,7 +343,8 @@ class Ranks(CellReadings):
             except Exception as e:
                 after = f"restarting the pool failed ({e}); call pool.restart()."
             cell.note = (f"[labkit] cell {cell.n} interrupted: {_names(stuck)} did not stop within "
-                         f"{INTERRUPT_GRACE_S:g} s of SIGINT{' (blocked in a send, recv or collective?)' if cell.busy else ''}; "
+                         f"{INTERRUPT_GRACE_S:g} s of SIGINT"
+                         f"{' (blocked in a send, recv or collective?)' if cell.busy else ''}; "
                          f"{after}{where}")
         else:
             cell.note = (f"[labkit] cell {cell.n} interrupted: {_names(busy)} stopped (KeyboardInterrupt); "
@@ -350,8 +354,9 @@ class Ranks(CellReadings):
         """Per-rank pid / alive / busy, the run directory, cells run and restarts."""
         job = self._job
         hello = job.hello.get(0, {}) if job else {}
-        return {"running": not self.closed and job is not None, "nproc": self.nproc, "device": hello.get("device", self.device),
-                "backend": hello.get("backend"), "run_dir": str(self.run_dir), "cells_run": self.cells_run,
+        return {"running": not self.closed and job is not None, "nproc": self.nproc,
+                "device": hello.get("device", self.device), "backend": hello.get("backend"),
+                "run_dir": str(self.run_dir), "cells_run": self.cells_run,
                 "restarts": max(self.restarts, 0),
                 "ranks": [{"rank": r, "pid": job.pid(r) if job else None, "alive": bool(job) and job.alive(r),
                            "busy": r in self._busy} for r in range(self.nproc)]}
@@ -366,7 +371,8 @@ class Ranks(CellReadings):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"
-        return f"Ranks(nproc={self.nproc}, device={self.device!r}, {state}, cells_run={self.cells_run}, run_dir='{self.run_dir}')"
+        return (f"Ranks(nproc={self.nproc}, device={self.device!r}, {state}, cells_run={self.cells_run}, "
+                f"run_dir='{self.run_dir}')")
 
     # ---- checks
 

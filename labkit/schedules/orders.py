@@ -64,7 +64,8 @@ def _normalize_action(item, where: str) -> PlannedAction:
     kind, stage, mb = item
     kind = str(kind).upper()
     if kind not in COMPUTE_KINDS:
-        raise ScheduleError(f"Action {item!r} ({where}) has kind {kind!r}; the simulator knows {', '.join(COMPUTE_KINDS)} "
+        raise ScheduleError(f"Action {item!r} ({where}) has kind {kind!r}; "
+                            f"the simulator knows {', '.join(COMPUTE_KINDS)} "
                             f"(communication is modelled by Cost.p2p, not written in the order).")
     for name, value in (("stage", stage), ("microbatch", mb)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -82,7 +83,8 @@ def normalize_order(order) -> dict[int, list[PlannedAction]]:
     elif isinstance(order, (list, tuple)):
         items = enumerate(order)
     else:
-        raise ScheduleError(f"An order is a dict {{rank: [(kind, stage, microbatch), ...]}}, got {type(order).__name__}.")
+        raise ScheduleError("An order is a dict {rank: [(kind, stage, microbatch), ...]}, "
+                            f"got {type(order).__name__}.")
     out = {}
     for rank, acts in items:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -113,7 +115,8 @@ def check_order(order, n_stages: int, n_microbatches: int | None = None) -> list
                                 f"one rank (its weights are there).")
             owner.setdefault(stage, rank)
             if a in seen:
-                problems.append(f"{describe(a)} is planned twice (rank {seen[a]} and rank {rank}): run each action once.")
+                problems.append(f"{describe(a)} is planned twice (rank {seen[a]} and rank {rank}): "
+                                "run each action once.")
             seen.setdefault(a, rank)
             if n_microbatches is not None and mb >= n_microbatches:
                 problems.append(f"rank {rank} position {pos}: {describe(a)} names microbatch {mb}, but there are only "

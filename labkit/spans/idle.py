@@ -35,7 +35,8 @@ from ..core.actions import COMPUTE_KINDS, union_length
 from ..logs.gaps import CAUSES, IdleReport, idle_gaps
 from .read import Span, read_spans, recorded_pipelines, select_step
 
-__all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline", "IdleByPipeline"]
+__all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline",
+           "IdleByPipeline"]
 
 COLLECTIVE_KINDS = ("SEND", "RECV", "UNSHARD", "RESHARD", "REDUCE_GRAD")  # counted as "sends and receives"
 INSTRUMENT = "instrument overhead"
@@ -68,8 +69,9 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
     for rank in sorted({s.rank for s in comp}):
         mine = sorted((s for s in comp if s.rank == rank), key=lambda s: (s.start, s.end))
         waits = [(s.start, s.end) for s in spans if s.rank == rank and s.kind == "WAIT" and s.what in ("recv", "both")]
-        comm = [(s.start, s.end) for s in spans if s.rank == rank and (s.kind in COLLECTIVE_KINDS or
-                                                                         (s.kind == "WAIT" and s.what not in ("recv", "both")))]
+        comm = [(s.start, s.end) for s in spans
+                if s.rank == rank and (s.kind in COLLECTIVE_KINDS
+                                       or (s.kind == "WAIT" and s.what not in ("recv", "both")))]
         kit = [piece for s in spans if s.rank == rank for piece in s.own()]
         causes = dict.fromkeys(report.causes, 0.0)
         causes["fill / drain"] = (mine[0].start - start) + (end - max(s.end for s in mine))
@@ -115,8 +117,9 @@ def _load_of(rank: int, spans: list[Span], meta: dict) -> dict:
     if not mine:
         return {}
     wall = sum(r["wall"] for r in mine)
-    return {"load1": max((r.get("load1") or 0.0) for r in mine), "runnable": max((r.get("runnable") or 0) for r in mine),
-            "cores": mine[0].get("cores"), "share": sum(r["cpu"] for r in mine) / wall if wall > 0 else None}
+    return {"load1": max((r.get("load1") or 0.0) for r in mine),
+            "runnable": max((r.get("runnable") or 0) for r in mine), "cores": mine[0].get("cores"),
+            "share": sum(r["cpu"] for r in mine) / wall if wall > 0 else None}
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -185,7 +185,8 @@ def without_descheduling(tl: Timeline) -> Timeline:
     (spans with scheduler clocks): the costs a fitted ideal reads from it leave out what a busy
     machine added (`labkit.timeline.compare.fitted_ideal(without_descheduling(tl), shape)`)."""
     queued = tl.meta.get("queued_s", {})
-    acts = [a._replace(end=a.end - min(a.duration, queued.get(_key(a.rank, a.stage, a.kind, a.microbatch, a.start), 0.0)))
+    acts = [a._replace(end=a.end - min(a.duration,
+                                       queued.get(_key(a.rank, a.stage, a.kind, a.microbatch, a.start), 0.0)))
             if a.kind in COMPUTE_KINDS else a for a in tl.actions]
     return Timeline(acts, source=tl.source, meta={**tl.meta, "costs_from": "wall time less descheduled time"})
 
@@ -212,8 +213,9 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
     names = [name for r, m in sorted(meta.items()) for k, name in sorted(m.get("schedules", {}).items())
              if (r, k) in kept and name]
     tl = Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), source="spans", meta={
-        "schedule": names[-1] if names else None, "steps": max(steps_per_rank.values(), default=0), "steps_per_rank": steps_per_rank,
-        "clock": clocks[0] if len(clocks) == 1 else clocks, "torch": next((m.get("torch") for m in meta.values()), None),
+        "schedule": names[-1] if names else None, "steps": max(steps_per_rank.values(), default=0),
+        "steps_per_rank": steps_per_rank, "clock": clocks[0] if len(clocks) == 1 else clocks,
+        "torch": next((m.get("torch") for m in meta.values()), None),
         "files": [str(f) for f in span_files(path).values()],
         "starts": "measured: both ends of every action (labkit.spans)"})
     own = instrument_overhead(spans, meta)
@@ -256,7 +258,8 @@ def time_by_kind(spans_or_path, which: str | int = "last") -> dict[int, KindTime
     out = {}
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
-        kinds = {k: union_length([(s.start, s.end) for s in mine if s.kind == k]) for k in sorted({s.kind for s in mine})}
+        kinds = {k: union_length([(s.start, s.end) for s in mine if s.kind == k])
+                 for k in sorted({s.kind for s in mine})}
         out[rank] = KindTimes(max(s.end for s in mine) - min(s.start for s in mine),
                               union_length([(s.start, s.end) for s in mine]), kinds)
     return out

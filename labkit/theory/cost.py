@@ -114,7 +114,8 @@ class Cost:
             try:
                 value = float(raw)
             except ValueError:
-                raise ConfigError(f"Cost {name}={raw!r} is not a number in --cost {text!r} ({_COST_EXAMPLE}).") from None
+                raise ConfigError(f"Cost {name}={raw!r} is not a number in --cost {text!r} "
+                                  f"({_COST_EXAMPLE}).") from None
             values[name] = value
         return cls(**values)
 
@@ -174,7 +175,8 @@ def closed_form_bubble(pp_size: int, n_microbatches: int, definition: str = "fra
         return (pp_size - 1) / (n_microbatches + pp_size - 1)
     if definition == "ratio":
         return (pp_size - 1) / n_microbatches
-    raise ConfigError(f"definition must be 'fraction' (idle/(ranks x makespan)) or 'ratio' (idle/busy), got {definition!r}.")
+    raise ConfigError("definition must be 'fraction' (idle/(ranks x makespan)) or 'ratio' (idle/busy), "
+                      f"got {definition!r}.")
 
 
 def fit_cost(timeline: Timeline, p2p: float = 0.0) -> Cost:

@@ -172,7 +172,8 @@ def comparison(settings=SETTINGS, search_settings=(), *, time_limit: float = 0.0
         if st in search_settings:
             for name, limit in (("ZB-1p", st.p), ("ZB-2p", 2 * st.p)):
                 t0 = time.monotonic()
-                r = search(st.p, st.m, c, memory_limit=limit, weight_memory=weight_memory(st.model) if paper_memory else 1.0,
+                r = search(st.p, st.m, c, memory_limit=limit,
+                           weight_memory=weight_memory(st.model) if paper_memory else 1.0,
                            time_limit=time_limit, workers=workers, variants=variants)
                 kit[name] = bubble_rate(r.timeline, st.m, c)
                 busy = st.m * (c.F + c.input_grad + c.weight_grad)

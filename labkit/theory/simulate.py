@@ -47,8 +47,9 @@ def simulate_order(order, n_stages: int | None = None, n_microbatches: int | Non
 
     Each rank runs its list in order; an action starts when the rank is free and its inputs are
     there (+ `cost.p2p` when they come from another rank), and not before `not_before[action]` when
-    given (a placement found by `labkit.theory.exact`, whose ranks may wait on purpose). Raises `ScheduleError` for a malformed
-    order (see `check_order`) and `ScheduleDeadlock` when no rank can progress. Notebook 08.
+    given (a placement found by `labkit.theory.exact`, whose ranks may wait on purpose). Raises
+    `ScheduleError` for a malformed order (see `check_order`) and `ScheduleDeadlock` when no rank can
+    progress. Notebook 08.
     """
     if isinstance(cost, str):
         cost = Cost.parse(cost)
@@ -139,9 +140,10 @@ def simulate(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: 
              cost: Cost | StageCosts | str = Cost()) -> Timeline:
     """The ideal timeline of a torch schedule under `cost` (source "theory"). Notebooks 03 and 06.
 
-    Costs are per action of ONE stage (a `StageCosts` gives each stage its own). Cutting the same model into more stages makes each stage
-    cheaper: to compare schedules at equal model size, divide F and B by `stages_per_rank`
-    (e.g. Interleaved1F1B with 2 stages per rank: `Cost(F=0.5, B=1)` against GPipe's `Cost(F=1, B=2)`).
+    Costs are per action of ONE stage (a `StageCosts` gives each stage its own). Cutting the same model
+    into more stages makes each stage cheaper: to compare schedules at equal model size, divide F and
+    B by `stages_per_rank` (e.g. Interleaved1F1B with 2 stages per rank: `Cost(F=0.5, B=1)` against
+    GPipe's `Cost(F=1, B=2)`).
     """
     info, spr = resolve(schedule, pp_size, n_microbatches, stages_per_rank)
     order = planned_actions(info.name, pp_size, n_microbatches, spr)

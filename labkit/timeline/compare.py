@@ -1,9 +1,10 @@
 """A measured run beside its ideal: load a run's timeline, find its shape, fit costs, simulate.
 
-`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline` (notebooks 04-05) and notebook 06b
-use: the measured timeline (spans where the run has them, else the PP logs or profiler traces), and the ideal timeline of
-the same schedule with costs fitted from the measurement, stage by stage (the ideal of THIS step), with both
-bubble numbers and the ideal with one cost per kind beside it.
+`measured_vs_ideal(run_dir)` is what `labkit timeline --plot`, the explorer, `%%ranks --timeline`
+(notebooks 04-05) and notebook 06b use: the measured timeline (spans where the run has them, else the
+PP logs or profiler traces), and the ideal timeline of the same schedule with costs fitted from the
+measurement, stage by stage (the ideal of THIS step), with both bubble numbers and the ideal with one
+cost per kind beside it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _files_by_content(paths: list, trim: bool) -> Timeline:
         return timeline_from_profile(paths[0] if len(paths) == 1 else paths)
     if kind == "spans":
         if len(paths) > 1:
-            raise ConfigError("Several spans files: pass the run or cell directory that holds them (its spans/ folder).")
+            raise ConfigError("Several spans files: pass the run or cell directory that holds them "
+                              "(its spans/ folder).")
         from ..spans.read import timeline_from_spans
 
         return timeline_from_spans(paths[0])

@@ -27,7 +27,8 @@ def plot_frontier(ax, data: dict, *, measured: dict | None = None, title: str | 
             continue
         at.setdefault((q["peak"], q["makespan"]), []).append(q["name"])
         artists.append(ax.scatter([q["peak"]], [q["makespan"]], marker=MARKERS.get(q["name"], "o"), s=60,
-                                  color="tab:red", edgecolor="black", zorder=3, label=None if label_points else q["name"]))
+                                  color="tab:red", edgecolor="black", zorder=3,
+                                  label=None if label_points else q["name"]))
     if label_points:
         for (x, y), names in at.items():
             artists.append(ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8,

@@ -25,7 +25,8 @@ def to_chrome_trace(tl: Timeline) -> dict:
                        "tid": a.stage, "ts": round(a.start * 1e6, 3), "dur": round(a.duration * 1e6, 3),
                        "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": tl.source, **{k: v for k, v in tl.meta.items() if isinstance(v, (str, int, float))}}}
+            "otherData": {"source": tl.source,
+                          **{k: v for k, v in tl.meta.items() if isinstance(v, (str, int, float))}}}
 
 
 def write_chrome_trace(tl: Timeline, path: str | Path) -> Path:
