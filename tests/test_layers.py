@@ -98,7 +98,7 @@ def test_every_package_is_placed_and_says_what_it_may_import():
 def test_the_top_level_holds_the_entry_points_only():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 6, top
-    assert set(top) <= {"__init__.py", "__main__.py", "cli.py", "versions.py", "doctor.py", "config.py"}, top
+    assert set(top) <= {"__init__.py", "__main__.py", "cli.py", "versions.py", "doctor.py"}, top
 
 
 def test_the_shared_vocabulary_imports_nothing_of_the_kit():

@@ -1,6 +1,8 @@
-"""Run configuration: the schedules the kit knows, model presets, and `RunConfig`.
+"""Run configuration: `RunConfig`, what one pipelining job is, checked before any rank starts.
 
-This module owns *what a valid pipelining job is*. It imports no torch, so the CLI, the
+This module owns *what a valid pipelining job is*; the schedules the kit knows live in
+`labkit.schedules` (`table.py`), the model presets in `labkit/config/presets.py`, the dtype and
+parallel options in `labkit/config/options.py`. It imports no torch, so the CLI, the
 explorer and the launcher can reject bad input in milliseconds, before any rank starts.
 Every error says how to fix the value (notebook 09 teaches the rules behind them).
 """
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 from .options import AUTOCAST_DTYPES, DTYPES, derived_fields, validate_dtypes, validate_parallel
 from .presets import BLOCK_PREFIXES, LAYOUTS, ModelPreset, PRESETS, validate_model
 from ..core.errors import ConfigError, positive_int
-from ..schedules.table import SCHEDULES, ScheduleInfo, _divisors, layer_bounds, schedule_info, stage_placement, validate_microbatches, validate_schedule, validate_sizes
+from ..schedules.table import (SCHEDULES, ScheduleInfo, _divisors, layer_bounds, schedule_info, stage_placement,
+                               validate_microbatches, validate_schedule, validate_sizes)
 
 
 SPLIT_MODES = ("manual", "tracer")
@@ -119,9 +122,11 @@ class RunConfig:
         validate_sizes(self.pp_size, self.n_microbatches)
         positive_int("steps", self.steps, "Pass --steps N with N >= 1.")
         if self.split not in SPLIT_MODES:
-            raise ConfigError(f"split must be one of {SPLIT_MODES}, got {self.split!r}. Use --split manual or --split tracer.")
+            raise ConfigError(f"split must be one of {SPLIT_MODES}, got {self.split!r}. "
+                              "Use --split manual or --split tracer.")
         if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}. Use --device auto to let the kit choose.")
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}. "
+                              "Use --device auto to let the kit choose.")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
         if self.preset not in PRESETS:
@@ -164,8 +169,8 @@ class RunConfig:
             setattr(self, name, value)
         if self.schedule_csv is not None:
             self.schedule_csv = os.path.abspath(self.schedule_csv)
-            validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank, self.inference,
-                               v_shaped=self.info.v_shaped)
+            validate_order_csv(self.schedule_csv, self.pp_size, self.n_microbatches, self.stages_per_rank,
+                               self.inference, v_shaped=self.info.v_shaped)
 
     @property
     def info(self) -> ScheduleInfo:
@@ -296,13 +301,15 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
         raise ConfigError(f"--schedule-csv {path} has {len(rows)} rows but the run has {pp_size} ranks: pass "
                           f"--nproc {len(rows)}, or search for {pp_size} ranks (labkit search --pp-size {pp_size}).")
     try:
-        order = {r: [parse_action(a, f"rank {r}, position {i}") for i, a in enumerate(acts)] for r, acts in rows.items()}
+        order = {r: [parse_action(a, f"rank {r}, position {i}") for i, a in enumerate(acts)]
+                 for r, acts in rows.items()}
     except ValueError as e:
         raise ConfigError(f"--schedule-csv {path}: {e}") from None
     places = stage_placement(pp_size, spr, v_shaped)
     wrong = sorted({(r, st) for r, acts in order.items() for _, st, _ in acts if st not in places[r]})
     if wrong:
-        where = "rank r must run stage r (one stage per rank)" if spr == 1 else "rank r must run stages r and 2P-1-r (V)"
+        where = ("rank r must run stage r (one stage per rank)" if spr == 1
+                 else "rank r must run stages r and 2P-1-r (V)")
         raise ConfigError(f"--schedule-csv {path}: {where}, but "
                           f"{', '.join(f'rank {r} has stage {st}' for r, st in wrong[:3])}.")
     m = 1 + max((mb for acts in order.values() for _, _, mb in acts), default=-1)

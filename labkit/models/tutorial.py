@@ -70,7 +70,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             if batch_major:
-                # contiguous: gloo cannot send or receive strided tensors (NOTES, batch_first pitfall)
+                # contiguous: gloo cannot send or receive strided tensors (the batch_first pitfall in
+                # shared/NOTES.md, beside the repository)
                 h = h.transpose(0, 1).contiguous()
             h = self.output(h).float()
         return h

@@ -96,7 +96,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
 
 
 def teardown() -> None:
-    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (NOTES)."""
+    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (shared/NOTES.md, beside the
+    repository)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
