@@ -153,13 +153,12 @@ class _Parser:
         events: list[Event] = []
         append = events.append
         new = _new_event
-        clock, ranks = self.clock, self.prefix_rank
         levels = _GLOG_LEVELS
         cont = -1  # index in `events` of the record that continuation lines belong to (kit format)
         prev_raw = last_raw = ""
         last_is_event = False
         rank0, meaning_only = self.rank, self.meaning_only
-        kit_lines, default_tails = self.kit_lines, self.default_tails
+        kit_lines = self.kit_lines
         n = 0
         for n, raw in enumerate(lines, 1):
             prev_raw = last_raw
@@ -196,55 +195,67 @@ class _Parser:
                 p = raw.split(" ", 2)
                 tok = p[0]
                 if len(p) == 3 and tok[-5:-4] in levels and tok[-4:].isdigit():
-                    # torch's default: "[rank0]:V1122 01:49:18.636000 7438 torch/.../schedules.py:2614] msg";
-                    # what follows the time (pid, source, message) repeats within a process.
-                    tail = default_tails.get(p[2])
-                    if tail is None:
-                        tail = self._default_tail(p[2])
-                    if tail:
-                        pid, static, keep = tail
-                        if not keep:
-                            last_is_event = False
-                            cont = -1
-                            continue
-                        pre = tok[:-5]
-                        rank = (ranks[pre] if pre in ranks else self._rank(pre)) if pre else rank0
-                        hms = p[1]
-                        key = tok[-4:] + hms[:8]
-                        t = clock.get(key)
-                        if t is None:
-                            t = clock[key] = self._seconds(tok[-4:], hms)
-                        if t is not None and len(hms) > 8:
-                            try:
-                                t += float(hms[8:])
-                            except ValueError:
-                                t = None
-                        if t is not None:
-                            append(new(Event, (t, rank, pid, levels[tok[-5]], *static, n)))
-                            cont = -1  # torch's formatter prefixes every line of a multi-line record itself
-                            last_is_event = True
-                            continue
-            ev = None
+                    ev = self._default_line(p, n)
+                    if ev is not None:
+                        if ev is not False:
+                            append(ev)
+                        # torch's formatter prefixes every line of a multi-line record itself
+                        last_is_event, cont = ev is not False, -1
+                        continue
+            # Prefixes with spaces (`[rank0:err] `), other TORCH_LOGS_FORMATs, short lines.
+            ev, kit = self._slow(raw.rstrip("\r\n"), n)
+            if ev is not None and meaning_only and ev.kind is None and ev.mark is None:
+                ev, kit = None, False
             if ev is None:
-                # Prefixes with spaces (`[rank0:err] `), other TORCH_LOGS_FORMATs, short lines.
-                ev, kit = self._slow(raw.rstrip("\r\n"), n)
-                if ev is not None and meaning_only and ev.kind is None and ev.mark is None:
-                    ev, kit = None, False
-                if ev is None:
-                    last_is_event = False
-                    if cont >= 0:
-                        cont = self._continue(events, cont, raw)
-                    continue
-                cont = len(events) if kit else -1
+                last_is_event = False
+                if cont >= 0:
+                    cont = self._continue(events, cont, raw)
+                continue
+            cont = len(events) if kit else -1
             append(ev)
             last_is_event = True
+        cut = last_is_event and prev_raw[-1:] == "\n" and last_raw[-1:] != "\n"
+        return self._finish(events, cut)
+
+    def _default_line(self, p: list[str], n: int) -> Event | bool | None:
+        """Line n in torch's default format, split at its first two spaces ("[rank0]:V1122
+        01:49:18.636000 7438 torch/.../schedules.py:2614] msg"): its event, False when `meaning_only`
+        drops it, None when the general path must read it. What follows the time (pid, source,
+        message) repeats within a process, so it is looked up whole."""
+        tok, hms = p[0], p[1]
+        tail = self.default_tails.get(p[2])
+        if tail is None:
+            tail = self._default_tail(p[2])
+        if not tail:
+            return None
+        pid, static, keep = tail
+        if not keep:
+            return False
+        pre = tok[:-5]
+        ranks = self.prefix_rank
+        rank = (ranks[pre] if pre in ranks else self._rank(pre)) if pre else self.rank
+        key = tok[-4:] + hms[:8]
+        t = self.clock.get(key)
+        if t is None:
+            t = self.clock[key] = self._seconds(tok[-4:], hms)
+        if t is not None and len(hms) > 8:
+            try:
+                t += float(hms[8:])
+            except ValueError:
+                t = None
+        if t is None:
+            return None
+        return _new_event(Event, (t, rank, pid, _GLOG_LEVELS[tok[-5]], *static, n))
+
+    def _finish(self, events: list[Event], cut: bool) -> list[Event]:
+        """The parsed events, their last one's meaning dropped when `cut`, ranks filled in by pid."""
         # A last line without its newline (when the others have one) was cut mid-write: its numbers
         # may be cut too ("chunk 1" of "chunk 12"), so it keeps its text but loses its meaning.
-        if last_is_event and prev_raw[-1:] == "\n" and last_raw[-1:] != "\n":
+        if cut:
             events[-1] = events[-1]._replace(kind=None, stage=None, microbatch=None, mark=None, origin=None,
                                              time_step=None, action=None, sub=())
         # Lines of a single stream logged before init_process_group carry no [rankN]: use the pid.
-        if rank0 is None and any(e.rank is None for e in events):
+        if self.rank is None and any(e.rank is None for e in events):
             by_pid = {e.pid: e.rank for e in events if e.rank is not None and e.pid is not None}
             events = [e._replace(rank=by_pid[e.pid]) if e.rank is None and e.pid in by_pid else e for e in events]
         return events

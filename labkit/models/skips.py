@@ -36,111 +36,139 @@ import torch
 def carry_skips(pipe) -> dict[int, list[str]]:
     """Rewrite `pipe` (from `pipeline()`) in place as the module docstring says. Returns, for each stage
     that passes values on to the next one, their names (empty when the Pipe had no skip connection)."""
-    import torch.fx as fx
-
-    g = pipe.split_gm.graph
-    calls = [node for node in g.nodes if node.op == "call_module"]  # stage i's call, in stage order
-    n = len(calls)
-
-    def stage_module(m: int):
-        return pipe.split_gm.get_submodule(calls[m].target)
-
-    def placeholders(m: int) -> list:
-        return [p for p in stage_module(m).graph.nodes if p.op == "placeholder"]
-
-    stage_of = {c: i for i, c in enumerate(calls)}
-
-    def producer(v: fx.Node) -> int:
-        """The stage whose output `v` is (-1: an input of the whole model)."""
-        base = v
-        while base.op == "call_function" and base.target is operator.getitem:
-            base = base.args[0]
-        if base.op == "placeholder":
-            return -1
-        if base not in stage_of:
-            raise ValueError(f"carry_skips: stage input {v.name} comes from {base.op} {base.target}, not from a "
-                             f"stage or the model's inputs; this Pipe's split graph is not one it can rewrite")
-        return stage_of[base]
-
-    for node in g.nodes:  # the model's output must come from the last stage alone
-        if node.op == "output":
-            for v in node.all_input_nodes:
-                if producer(v) not in (n - 1, -1):
-                    raise ValueError(f"carry_skips: the model's output {v.name} comes from stage {producer(v)}, "
-                                     f"not the last one; a pipeline cannot return it")
-
-    # 1. which values each stage takes, in order: its own inputs, then what it carries
-    args = [list(c.args) for c in calls]
-    for a in args:
-        if any(not isinstance(v, fx.Node) for v in a):
-            raise ValueError("carry_skips: a stage takes a constant argument; not a Pipe it can rewrite")
-    if all(producer(v) == i - 1 for i in range(1, n) for v in args[i]):
+    sg = _SplitGraph(pipe)
+    sg.check_outputs()
+    args = _stage_inputs(sg)
+    if args is None:
         return {}  # a chain already: left exactly as it was
-    for i in range(n - 1, 0, -1):
-        for v in list(args[i]):
-            for m in range(producer(v) + 1, i):
-                if v not in args[m]:
-                    args[m].append(v)
-
-    # 2. inside each stage: a placeholder for each new input (the consumer's own placeholder's metadata)
-    meta_of: dict[fx.Node, dict] = {}
-    for i in range(n):
-        for v, p in zip(calls[i].args, placeholders(i)):
-            meta_of.setdefault(v, p.meta)
-    for m in range(n):
-        sub = stage_module(m)
-        have = placeholders(m)
-        for v in args[m][len(calls[m].args):]:
-            with sub.graph.inserting_after(have[-1]):
-                p = sub.graph.placeholder(f"carried_{v.name}")
-            p.meta.update(meta_of[v])
-            have.append(p)
-
-    # 3. each stage but the last returns exactly what the next one takes, in that order
-    def output_values(sub):
-        out = next(o for o in sub.graph.nodes if o.op == "output")
-        res = out.args[0]
-        return out, (list(res) if isinstance(res, (tuple, list)) else res)
-
+    _add_placeholders(sg, args)
     new_args = [list(a) for a in args]
     carried: dict[int, list[str]] = {}
-    for m in range(n - 1):
-        sub = stage_module(m)
-        out, res = output_values(sub)
-        mine = dict(zip(args[m], placeholders(m)))
-        values = []
-        for v in args[m + 1]:
-            if producer(v) == m:  # its own output: the tuple element (or the whole output) v names
-                if v is calls[m]:
-                    values.append(res)
-                elif v.args[0] is calls[m] and isinstance(res, list):
-                    values.append(res[v.args[1]])
-                else:
-                    raise ValueError(f"carry_skips: stage {m + 1} reads {v.name}, a nested part of stage {m}'s "
-                                     f"output; not a Pipe it can rewrite")
-            else:  # carried through: its input, returned as a copy (the module docstring says why)
-                with sub.graph.inserting_before(out):
-                    a = sub.graph.call_function(torch.ops.aten.clone.default, (mine[v],))
-                a.meta.update(mine[v].meta)
-                values.append(a)
-                carried.setdefault(m, []).append(v.name)
-        out.args = (tuple(values),)  # outputs no later stage reads are no longer sent (still computed)
-        sub.graph.lint()
-        sub.recompile()
-        # the split graph reads them back one by one, in order (torch numbers a stage's outputs by the
-        # order of its getitem users)
-        after = calls[m]
-        getitems = []
-        for k in range(len(values)):
-            with g.inserting_after(after):
-                after = g.call_function(operator.getitem, (calls[m], k))
-            getitems.append(after)
-        new_args[m + 1] = getitems
-    for m in range(n):
-        calls[m].args = tuple(new_args[m])
+    for m in range(sg.n - 1):
+        values = _return_next_inputs(sg, m, args, carried)
+        new_args[m + 1] = _read_back(sg, m, len(values))
+    for m in range(sg.n):
+        sg.calls[m].args = tuple(new_args[m])
+    g = sg.graph
     for node in reversed(list(g.nodes)):  # the old getitems, now unused
         if node.op == "call_function" and node.target is operator.getitem and not node.users:
             g.erase_node(node)
     g.lint()
     pipe.split_gm.recompile()
     return carried
+
+
+class _SplitGraph:
+    """A Pipe's split graph: one call_module node per stage, in stage order, and who produced what."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.graph = pipe.split_gm.graph
+        self.calls = [node for node in self.graph.nodes if node.op == "call_module"]  # stage i's call
+        self.n = len(self.calls)
+        self.stage_of = {c: i for i, c in enumerate(self.calls)}
+
+    def stage_module(self, m: int):
+        return self.pipe.split_gm.get_submodule(self.calls[m].target)
+
+    def placeholders(self, m: int) -> list:
+        return [p for p in self.stage_module(m).graph.nodes if p.op == "placeholder"]
+
+    def producer(self, v) -> int:
+        """The stage whose output `v` is (-1: an input of the whole model)."""
+        base = v
+        while base.op == "call_function" and base.target is operator.getitem:
+            base = base.args[0]
+        if base.op == "placeholder":
+            return -1
+        if base not in self.stage_of:
+            raise ValueError(f"carry_skips: stage input {v.name} comes from {base.op} {base.target}, not from a "
+                             f"stage or the model's inputs; this Pipe's split graph is not one it can rewrite")
+        return self.stage_of[base]
+
+    def check_outputs(self) -> None:
+        """The model's output must come from the last stage alone."""
+        for node in self.graph.nodes:
+            if node.op == "output":
+                for v in node.all_input_nodes:
+                    if self.producer(v) not in (self.n - 1, -1):
+                        raise ValueError(f"carry_skips: the model's output {v.name} comes from stage "
+                                         f"{self.producer(v)}, not the last one; a pipeline cannot return it")
+
+
+def _stage_inputs(sg: _SplitGraph) -> list[list] | None:
+    """Step 1: which values each stage takes, in order: its own inputs, then what it carries; None when
+    every stage reads only the previous one's outputs (nothing to carry)."""
+    import torch.fx as fx
+
+    args = [list(c.args) for c in sg.calls]
+    for a in args:
+        if any(not isinstance(v, fx.Node) for v in a):
+            raise ValueError("carry_skips: a stage takes a constant argument; not a Pipe it can rewrite")
+    if all(sg.producer(v) == i - 1 for i in range(1, sg.n) for v in args[i]):
+        return None
+    for i in range(sg.n - 1, 0, -1):
+        for v in list(args[i]):
+            for m in range(sg.producer(v) + 1, i):
+                if v not in args[m]:
+                    args[m].append(v)
+    return args
+
+
+def _add_placeholders(sg: _SplitGraph, args: list[list]) -> None:
+    """Step 2: inside each stage, a placeholder for each new input (the consumer's own placeholder's
+    metadata)."""
+    meta_of: dict = {}
+    for i in range(sg.n):
+        for v, p in zip(sg.calls[i].args, sg.placeholders(i)):
+            meta_of.setdefault(v, p.meta)
+    for m in range(sg.n):
+        sub = sg.stage_module(m)
+        have = sg.placeholders(m)
+        for v in args[m][len(sg.calls[m].args):]:
+            with sub.graph.inserting_after(have[-1]):
+                p = sub.graph.placeholder(f"carried_{v.name}")
+            p.meta.update(meta_of[v])
+            have.append(p)
+
+
+def _return_next_inputs(sg: _SplitGraph, m: int, args: list[list], carried: dict[int, list[str]]) -> list:
+    """Step 3: stage m (not the last) returns exactly what stage m + 1 takes, in that order: its own
+    outputs, and what it carries as copies (names added to carried[m]). Returns the new outputs."""
+    sub = sg.stage_module(m)
+    out = next(o for o in sub.graph.nodes if o.op == "output")
+    res = out.args[0]
+    res = list(res) if isinstance(res, (tuple, list)) else res
+    mine = dict(zip(args[m], sg.placeholders(m)))
+    values = []
+    for v in args[m + 1]:
+        if sg.producer(v) == m:  # its own output: the tuple element (or the whole output) v names
+            if v is sg.calls[m]:
+                values.append(res)
+            elif v.args[0] is sg.calls[m] and isinstance(res, list):
+                values.append(res[v.args[1]])
+            else:
+                raise ValueError(f"carry_skips: stage {m + 1} reads {v.name}, a nested part of stage {m}'s "
+                                 f"output; not a Pipe it can rewrite")
+        else:  # carried through: its input, returned as a copy (the module docstring says why)
+            with sub.graph.inserting_before(out):
+                a = sub.graph.call_function(torch.ops.aten.clone.default, (mine[v],))
+            a.meta.update(mine[v].meta)
+            values.append(a)
+            carried.setdefault(m, []).append(v.name)
+    out.args = (tuple(values),)  # outputs no later stage reads are no longer sent (still computed)
+    sub.graph.lint()
+    sub.recompile()
+    return values
+
+
+def _read_back(sg: _SplitGraph, m: int, k: int) -> list:
+    """The split graph reads stage m's k outputs back one by one, in order (torch numbers a stage's
+    outputs by the order of its getitem users); returns those getitem nodes."""
+    after = sg.calls[m]
+    getitems = []
+    for i in range(k):
+        with sg.graph.inserting_after(after):
+            after = sg.graph.call_function(operator.getitem, (sg.calls[m], i))
+        getitems.append(after)
+    return getitems

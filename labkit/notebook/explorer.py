@@ -79,7 +79,17 @@ class Explorer:
         self._state = _RunState()
         self._lock = threading.Lock()
         self._holding = False
+        self._build_controls(w, values)
+        self._build_outputs(w)
+        self.run_button.on_click(lambda _: self.start())
+        self.stop_button.on_click(lambda _: self.stop())
+        for c in self.controls.values():
+            c.observe(self._on_change, names="value")
+        self.panel = self._build_panel(w, values)
+        self.refresh()
 
+    def _build_controls(self, w, values: dict) -> None:
+        """The run's controls (`self.controls`: schedule, sizes, split, model, device), set to `values`."""
         style = {"description_width": "initial"}
         self.schedule = w.Dropdown(options=list(SCHEDULES), value=values["schedule"], description="schedule",
                                    style=style, layout=w.Layout(width="230px"))
@@ -106,6 +116,8 @@ class Explorer:
             c.add_class(f"pplab-{name.replace('_', '-')}")
         self.n_microbatches.add_class("pplab-microbatches")
 
+    def _build_outputs(self, w) -> None:
+        """What the panel shows: the config, errors, the theory, the Run / Stop buttons, the measured run."""
         self.config_info = w.HTML().add_class("pplab-config")
         self.error_panel = w.HTML(layout=w.Layout(display="none", border="1px solid #C44E52", padding="2px 8px"))
         self.error_panel.add_class("pplab-error")
@@ -125,12 +137,9 @@ class Explorer:
         self.timeline_image.add_class("pplab-timeline")
         self.history = w.HTML(history_table_html([])).add_class("pplab-history")
 
-        self.run_button.on_click(lambda _: self.start())
-        self.stop_button.on_click(lambda _: self.stop())
-        for c in self.controls.values():
-            c.observe(self._on_change, names="value")
-
-        self.panel = _panel_class()([
+    def _build_panel(self, w, values: dict):
+        """The controls and outputs laid out in one VBox (`panel.explorer` is this object)."""
+        panel = _panel_class()([
             w.HTML("<b>PP Lab explorer</b>: pick a schedule and sizes; the ideal timeline follows at once, "
                    "Run measures the real one."),
             w.HBox([self.schedule, self.preset]),
@@ -149,11 +158,11 @@ class Explorer:
             w.HTML("<b>Runs so far</b>"),
             self.history,
         ])
-        self.panel.add_class("pplab-explorer")
-        self.panel.explorer = self
-        self.panel._pplab_repr = (f"PP Lab explorer ({values['schedule']}, pp_size={values['pp_size']}, "
-                                  f"{values['n_microbatches']} microbatches): press Run to launch a job")
-        self.refresh()
+        panel.add_class("pplab-explorer")
+        panel.explorer = self
+        panel._pplab_repr = (f"PP Lab explorer ({values['schedule']}, pp_size={values['pp_size']}, "
+                             f"{values['n_microbatches']} microbatches): press Run to launch a job")
+        return panel
 
     # -- controls -----------------------------------------------------------------------------------
 

@@ -1,13 +1,18 @@
 """Whether a `check_step` call can compare the step at all, before any of its collectives: each rank
-reports what it holds (`_local_report`), every rank reads the same reports (`_verdict`) and raises the
-same `CheckStepError` with the fix (a wrong microbatch count, losses on the wrong rank, a stage held
-twice or by no rank, parameter names that are not the unsplit model's or collide across stages).
+reports what it holds (`_local_report`), every rank reads the same reports (`_verdict`, gathered by
+`_agree_comparable` with one `all_gather_object`) and raises the same `CheckStepError` with the fix (a
+wrong microbatch count, losses on the wrong rank, a stage held twice or by no rank, parameter names
+that are not the unsplit model's or collide across stages).
 
 May import: torch, labkit.worker.noise."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .noise import canonical
@@ -53,11 +58,20 @@ def _local_report(full: nn.Module, stages, losses, loss_fn, output, prefix_stage
 def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, group, chunk_dim=0) -> list[str]:
     """Every mistake the reports show, in words that say the fix; the same list on every rank."""
     problems = []
-    where = lambda r: f"rank {ranks[r]}"  # noqa: E731
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         problems.append(f"n_microbatches must be a whole number >= 1 (the schedule's n_microbatches), got "
                         f"{n_microbatches!r}.")
         n_microbatches = None
+    problems += _batch_problems(reports, n_microbatches, loss_fn, chunk_dim)
+    problems += _stage_problems(reports, ranks, group)
+    problems += _loss_problems(reports, ranks, n_microbatches, loss_fn)
+    problems += _name_problems(reports)
+    return list(dict.fromkeys(problems))
+
+
+def _batch_problems(reports: list[dict], n_microbatches: int | None, loss_fn, chunk_dim: int) -> list[str]:
+    """The microbatch count against the schedule's, the batch's shape, the extras."""
+    problems = []
     # The microbatch count: the schedule's M (stage.chunks, set by its step) must divide it (several
     # pipelines with group= or steps accumulated give a whole multiple of it).
     stepped = sorted({c for rep in reports for c in rep["chunks"]})
@@ -80,7 +94,12 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
                             f"microbatches: pass the WHOLE batch the step ran on, and the schedule's n_microbatches.")
     if len({rep["n_extra"] for rep in reports}) > 1:
         problems.append("extra= must hold the same number of floats on every rank.")
-    # Who holds which stage: every stage once, the last one somewhere.
+    return problems
+
+
+def _stage_problems(reports: list[dict], ranks: list[int], group) -> list[str]:
+    """Who holds which stage: every stage once, the last one somewhere."""
+    problems = []
     holders: dict[int, list[int]] = {}
     for r, rep in enumerate(reports):
         for i in rep["stages"]:
@@ -90,8 +109,8 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
         fix = (" These ranks run several pipelines: pass group=the pipeline's process group (the check is a "
                "collective over it)." if group is None else " Check each rank's stage_index (PipelineStage(..., "
                "stage_index, num_stages, ...)) and the group passed to check_step.")
-        problems.append(f"stage {i} is held by {' and '.join(where(r) for r in rs)}: a stage must be on one rank "
-                        f"of the pipeline.{fix}")
+        who = " and ".join(f"rank {ranks[r]}" for r in rs)
+        problems.append(f"stage {i} is held by {who}: a stage must be on one rank of the pipeline.{fix}")
     n_stages = max([rep["num_stages"] for rep in reports] + [0])
     missing = [i for i in range(n_stages) if i not in holders]
     if missing and not twice:
@@ -101,7 +120,13 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
     lasts = [r for r, rep in enumerate(reports) if rep["last"]]
     if not lasts and not missing:
         problems.append("no rank holds the last stage: check each rank's stage_index and num_stages.")
-    # Losses (or the output, forward only): on the last stage, one per microbatch, and nowhere else.
+    return problems
+
+
+def _loss_problems(reports: list[dict], ranks: list[int], n_microbatches: int | None, loss_fn) -> list[str]:
+    """Losses (or the output, forward only): on the last stage, one per microbatch, and nowhere else."""
+    problems = []
+    where = lambda r: f"rank {ranks[r]}"  # noqa: E731
     for r, rep in enumerate(reports):
         if loss_fn is None:
             if rep["last"] and not rep["has_output"]:
@@ -119,7 +144,12 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
             problems.append(f"{where(r)} holds no last stage but passed {rep['n_losses']} losses: losses come "
                             f"from the last stage only (schedule.step(target=y, losses=losses) on the rank that "
                             f"holds it). Pass an empty list (or the list its step left empty) on the other ranks.")
-    # Names: each stage's parameters under the unsplit model's names of its own layers.
+    return problems
+
+
+def _name_problems(reports: list[dict]) -> list[str]:
+    """Names: each stage's parameters under the unsplit model's names of its own layers."""
+    problems = []
     misnamed = sum(rep["misnamed"] for rep in reports)
     if misnamed:
         example = next((rep["example"] for rep in reports if rep["example"]), "")
@@ -149,4 +179,50 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
             "renamed={name on the stage: name in the unsplit model}.")
     for rep in reports:
         problems += [f"names that do not line up: {x} (renumbered children?)." for x in rep["shapes"]]
-    return list(dict.fromkeys(problems))
+    return problems
+
+
+@dataclass
+class _Call:
+    """One `check_step` call: each field is its argument of the same name (device, tied and renamed
+    resolved)."""
+
+    full: nn.Module
+    stages: list
+    x: Any
+    y: Any
+    losses: list
+    n_microbatches: int
+    loss_fn: Any
+    grads: dict | None
+    prefix_stage_index: bool
+    output: Any
+    extra: Any
+    tolerance: float | None
+    device: Any
+    chunk_dim: int
+    group: Any
+    kwargs: dict | None
+    tied: dict
+    renamed: dict
+    clip_grad_norm: float | None
+    autocast: Any
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+
+def _agree_comparable(c: _Call) -> None:
+    """Raise `CheckStepError` on EVERY rank, with the same message, when the call cannot be compared:
+    every rank's own report gathered with one `all_gather_object`, judged the same way everywhere."""
+    batch = c.y if c.loss_fn is not None else c.x
+    report = _local_report(c.full, c.stages, c.losses, c.loss_fn, c.output, c.prefix_stage_index, c.tied,
+                           c.renamed, c.extra, tuple(batch.shape) if torch.is_tensor(batch) else None)
+    reports = [None] * dist.get_world_size(c.group)
+    dist.all_gather_object(reports, report, group=c.group)
+    ranks = [dist.get_global_rank(c.group, r) if c.group is not None else r for r in range(len(reports))]
+    problems = _verdict(reports, ranks, c.n_microbatches, c.loss_fn, c.group, c.chunk_dim)
+    if problems:
+        raise CheckStepError("check_step cannot compare this step (the same on every rank of the pipeline):\n"
+                             + "\n".join(f"  - {p}" for p in problems))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .calls import CheckStepError, _local_report, _verdict  # noqa: F401  (CheckStepError: part of this API)
+from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy, summary, where
 
 
@@ -248,84 +248,112 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     the ranks agree on it with one `all_gather_object`. Called by the kit's jobs and from `%%ranks`
     cells (notebook 01).
     """
-    from . import distributed as worker
-
     device = device if device is not None else (stages[0].device if stages else "cpu")
-    tied, renamed = tied or {}, renamed or {}
+    c = _Call(full, stages, x, y, losses, n_microbatches, loss_fn, grads, prefix_stage_index, output, extra, tolerance,
+              device, chunk_dim, group, kwargs, tied or {}, renamed or {}, clip_grad_norm, autocast)
     # Validate first, on every rank, and agree with ONE collective that every rank reaches: a rank
     # that raised alone would leave the others waiting in the check's collectives below.
-    batch = y if loss_fn is not None else x
-    report = _local_report(full, stages, losses, loss_fn, output, prefix_stage_index, tied, renamed, extra,
-                           tuple(batch.shape) if torch.is_tensor(batch) else None)
-    reports = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, report, group=group)
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(reports))]
-    problems = _verdict(reports, ranks, n_microbatches, loss_fn, group, chunk_dim)
-    if problems:
-        raise CheckStepError("check_step cannot compare this step (the same on every rank of the pipeline):\n"
-                             + "\n".join(f"  - {p}" for p in problems))
-    has_last = any(s.is_last for s in stages)
-    mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in losses] if has_last else []
-    args = (full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm, autocast)
+    _agree_comparable(c)
+    found, ref, why = _compare(c)
+    return _decide(c, found, ref, why)
+
+
+@dataclass
+class _Findings:
+    """This rank's part of the comparison, before the ranks gather it."""
+
+    mine: list[float]
+    """The pipelined losses (the last stage's rank; else empty)."""
+    figures: list[Figure] = field(default_factory=list)
+    no_grad: list[str] = field(default_factory=list)
+    gmax: float = 0.0
+    numel: int = 0
+    ldiff: float = 0.0
+    odiff: float = 0.0
+
+
+def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
+    """This rank's gradients, losses or output against the references (whole batch, microbatched,
+    float64). Returns its findings, the whole-batch reference, and why there is no float64 truth."""
+    mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in c.losses] if c.has_last else []
+    args = (c.full, c.x, c.y, c.n_microbatches, c.loss_fn, c.device, c.chunk_dim, c.kwargs, c.clip_grad_norm,
+            c.autocast)
     ref, probe = whole_batch_reference(*args), microbatched_reference(*args)
     why: list[str] = []
-    truth = float64_reference(full, x, y, n_microbatches, loss_fn, device, chunk_dim, kwargs, clip_grad_norm, why)
-    last_stage = max((int(s.stage_index) for s in stages if s.is_last), default=None)
-    figures: list[Figure] = []
-    no_grad: list[str] = []
-    gmax = ldiff = odiff = 0.0
-    numel = 0
-    if loss_fn is None:
-        if has_last:
-            odiff = float((output.to(ref.output.device) - ref.output).abs().max())
-            figures.append(figure("output", "output", last_stage, output, ref.output, probe.output,
-                                  truth=truth.output if truth else None))
-    else:
-        if grads is None:
-            grads = stage_grads(stages, prefix_stage_index)
-        gmax, numel = _compare_grads(stages, grads, ref, probe, truth, prefix_stage_index, tied, renamed,
-                                     n_microbatches, figures, no_grad)
-        if has_last:
-            ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
-            if len(mine) != len(ref.losses):
-                ldiff = float("inf")
-            else:
-                f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-                truths = truth.losses if truth else [None] * len(mine)
-                figures += [figure("loss", str(i), last_stage, f64(p), f64(r), f64(c), 1, next(full.parameters()).dtype,
-                                   None if t is None else f64(t))
-                            for i, (p, r, c, t) in enumerate(zip(mine, ref.losses, probe.losses, truths))]
-    per_rank = worker.all_gather_floats([gmax, float(numel), ldiff, odiff, float(has_last), *extra],
-                                        device, group)
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, ([f.as_dict() for f in figures], no_grad, ref.dropped), group=group)
+    truth = float64_reference(*args[:-1], why)
+    last_stage = max((int(s.stage_index) for s in c.stages if s.is_last), default=None)
+    found = _Findings(mine)
+    if c.loss_fn is None:
+        if c.has_last:
+            found.odiff = float((c.output.to(ref.output.device) - ref.output).abs().max())
+            found.figures.append(figure("output", "output", last_stage, c.output, ref.output, probe.output,
+                                        truth=truth.output if truth else None))
+        return found, ref, why
+    grads = c.grads if c.grads is not None else stage_grads(c.stages, c.prefix_stage_index)
+    found.gmax, found.numel = _compare_grads(c.stages, grads, ref, probe, truth, c.prefix_stage_index, c.tied,
+                                             c.renamed, c.n_microbatches, found.figures, found.no_grad)
+    if c.has_last:
+        found.ldiff = _compare_losses(mine, (ref, probe, truth), last_stage, c.full, found.figures)
+    return found, ref, why
+
+
+def _compare_losses(mine: list[float], refs: tuple, last_stage, full: nn.Module, figures: list) -> float:
+    """The pipelined losses against the references' (a figure each, appended to `figures`); the
+    largest absolute difference (inf when the counts differ)."""
+    ref, probe, truth = refs
+    ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
+    if len(mine) != len(ref.losses):
+        return float("inf")
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    truths = truth.losses if truth else [None] * len(mine)
+    figures += [figure("loss", str(i), last_stage, f64(p), f64(r), f64(c), 1, next(full.parameters()).dtype,
+                       None if t is None else f64(t))
+                for i, (p, r, c, t) in enumerate(zip(mine, ref.losses, probe.losses, truths))]
+    return ldiff
+
+
+def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check:
+    """Every rank's findings gathered over the pipeline (collectives), and the one verdict."""
+    from . import distributed as worker
+
+    per_rank = worker.all_gather_floats([found.gmax, float(found.numel), found.ldiff, found.odiff,
+                                         float(c.has_last), *c.extra], c.device, c.group)
+    gathered = [None] * dist.get_world_size(c.group)
+    dist.all_gather_object(gathered, ([f.as_dict() for f in found.figures], found.no_grad, ref.dropped),
+                           group=c.group)
     figures = [Figure(**f) for figs, _, _ in gathered for f in figs]
     no_grad = [n for _, ng, _ in gathered for n in ng]
     dropped = sorted({n for _, _, dr in gathered for n in dr})
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
-    pipelined = [] if loss_fn is None else worker.broadcast_floats(
-        mine if has_last else None,
-        n_microbatches, last_rank, device, group)
+    pipelined = [] if c.loss_fn is None else worker.broadcast_floats(
+        found.mine if c.has_last else None, c.n_microbatches, last_rank, c.device, c.group)
     gmax, ldiff, odiff = (max(r[i] for r in per_rank) for i in (0, 2, 3))
     compared = int(sum(r[1] for r in per_rank))
-    expected = sum(p.numel() for p in full.parameters())
-    diff = odiff if loss_fn is None else max(gmax, ldiff)
-    complete = loss_fn is None or compared == expected
+    expected = sum(p.numel() for p in c.full.parameters())
+    diff = odiff if c.loss_fn is None else max(gmax, ldiff)
+    complete = c.loss_fn is None or compared == expected
     within = all(f.ratio <= NOISE_MULTIPLE for f in figures) and diff != float("inf")
-    ok = bool(complete and not no_grad and (within if tolerance is None else diff <= tolerance))
+    ok = bool(complete and not no_grad and (within if c.tolerance is None else diff <= c.tolerance))
+    notes = _notes(c, ok, figures, dropped, why)
+    return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, c.tolerance,
+                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=c.autocast),
+                 no_grad, notes)
+
+
+def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: list[str]) -> list[str]:
+    """What the verdict alone does not say: forwards the reference could not run, a pass by tolerance
+    outside float noise, no float64 truth."""
     notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
              f"by the reference's copy; the class's forward was"] if dropped else []
     worst = max(figures, key=lambda f: f.ratio, default=None)
-    if tolerance is not None and ok and worst is not None and worst.ratio > NOISE_MULTIPLE:
-        notes.append(f"within the tolerance {tolerance:g}, but outside float noise: the worst tensor ({worst.kind} "
+    if c.tolerance is not None and ok and worst is not None and worst.ratio > NOISE_MULTIPLE:
+        notes.append(f"within the tolerance {c.tolerance:g}, but outside float noise: the worst tensor ({worst.kind} "
                      f"{worst.name}) is {worst.ratio:.3g}x the floor measured for this model and data; a check without "
-                     f"tolerance= would fail it (where: {where(figures, autocast=autocast)})")
-    if why and tolerance is None:
+                     f"tolerance= would fail it (where: {where(figures, autocast=c.autocast)})")
+    if why and c.tolerance is None:
         notes.append(f"no float64 truth (the model or loss would not run in float64: {why[0]}): each floor is the "
                      f"reference against itself microbatch by microbatch alone, which a cut of the batch can fool")
-    return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, tolerance,
-                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=autocast),
-                 no_grad, notes)
+    return notes
 
 
 def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Reference | None, prefix_stage_index, tied,
