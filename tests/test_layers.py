@@ -3,6 +3,7 @@ pair of modules is checked, lazy imports inside functions included). The layers,
 `LAYERS` (README, "The package"); within a package, modules import each other freely."""
 
 import ast
+import re
 from pathlib import Path
 
 import labkit
@@ -142,3 +143,76 @@ def test_the_log_format_has_one_home_both_sides_use():
     (event,) = parse_lines([logging.Formatter(PP_LOG_FORMAT).format(record)], rank=1)
     assert (event.rank, event.kind, event.stage, event.microbatch) == (1, "F", 1, 2)
     assert abs(event.time - 1732241358.636123) < 1e-6
+
+
+# The layering is written once, in LAYERS; README's table and each package's "May import" line are
+# checked against it here rather than kept by hand beside it.
+
+README = PKG.parent / "README.md"
+_ROW = re.compile(r"^\| (\d+) \| `labkit/([\w./]+)` \| (.*) \|$", re.M)
+
+
+def unit_of_path(path: str) -> str:
+    """`core/` -> labkit.core, `doctor.py` -> labkit.doctor, `__init__.py` -> labkit."""
+    if path == "__init__.py":
+        return "labkit"
+    return "labkit." + path.rstrip("/").removesuffix(".py")
+
+
+def below(unit: str) -> set[str]:
+    """The units a unit may import: every one in a layer before its own (LAYERS)."""
+    layer = next(i for i, group in enumerate(LAYERS) if unit in group)
+    return {u for group in LAYERS[:layer] for u in group}
+
+
+def test_readme_layer_table_is_layers():
+    """README's table, "The package, layer by layer": one row per unit of LAYERS, in its order,
+    numbered by its layer."""
+    rows = [(int(n), unit_of_path(p)) for n, p, _ in _ROW.findall(README.read_text())]
+    want = [(i, unit) for i, group in enumerate(LAYERS) for unit in group]
+    assert rows == want, ("README's layer table differs from tests/test_layers.py's LAYERS:\n"
+                          f"README: {rows}\nLAYERS: {want}")
+
+
+def test_readme_layer_table_names_every_module_of_a_package():
+    missing = []
+    for _, path, text in _ROW.findall(README.read_text()):
+        if path.endswith("/"):
+            for f in sorted((PKG / path).glob("*.py")):
+                named = any(re.search(rf"(?<![\w]){f.stem}(?![\w])", span) for span in re.findall(r"`([^`]+)`", text))
+                if f.stem != "__init__" and not named:
+                    missing.append(f"labkit/{path}{f.name}")
+    assert not missing, "README's layer table does not name: " + ", ".join(missing)
+
+
+def may_import_line(doc: str) -> tuple[set[str], set[str]]:
+    """(units a package's "May import" line names, units its "Never" clause names). "everything
+    below it" names every unit below the package; "nothing of labkit", none."""
+    text = " ".join(doc.split("May import:", 1)[1].split())
+    allowed, _, never = text.partition("Never")
+    names = set(re.findall(r"labkit\.\w+", allowed))
+    return names, {n.split(".")[0] + "." + n.split(".")[1] for n in re.findall(r"labkit\.\w+", never)}
+
+
+def test_each_package_may_import_line_agrees_with_layers():
+    """Each package's "May import" line names only units below it in LAYERS (and every one its code
+    imports); what its "Never" clause names is not below it."""
+    wrong = []
+    uses = {}
+    for f in every_module():
+        _, unit = layer_of(module_name(f))
+        uses.setdefault(unit, set()).update(layer_of(o)[1] for o in kit_imports(f))
+    for d in sorted(p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        unit = f"labkit.{d.name}"
+        doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or ""
+        named, never = may_import_line(doc)
+        allowed = below(unit)
+        if "everything below it" in doc.split("May import:", 1)[1]:
+            named |= allowed
+        for n in sorted(named - allowed):
+            wrong.append(f"{unit} says it may import {n}, which LAYERS puts at or above it")
+        for n in sorted(uses.get(unit, set()) - {unit} - named):
+            wrong.append(f"{unit} imports {n} but its May import line does not name it")
+        for n in sorted(never & allowed):
+            wrong.append(f"{unit} says never {n}, which LAYERS puts below it")
+    assert not wrong, "\n".join(wrong)

@@ -12,7 +12,7 @@ Owns two small concerns, each in its module:
 
 Runs inside the ranks (live ranks' cells).
 
-May import: labkit.worker (reference, memory). Never the launching side.
+May import: labkit.core (lazy exports), labkit.worker (reference, memory). Never the launching side.
 """
 
 from ..core import exports as _exports
