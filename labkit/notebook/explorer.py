@@ -63,7 +63,8 @@ class _RunState:
 
 class Explorer:
     """Builds the panel (`self.panel`, an ipywidgets VBox) and connects its controls to the pure
-    functions of `labkit.notebook.explorer_views`. `labkit.explorer()` returns the panel; `panel.explorer` is this object."""
+    functions of `labkit.notebook.explorer_views`. `labkit.explorer()` returns the panel;
+    `panel.explorer` is this object."""
 
     def __init__(self, runs_root=None, timeout: float | None = None, **controls):
         import ipywidgets as w

@@ -232,7 +232,7 @@ def _solve(mo: _Model, time_limit: float, workers: int, progress: bool):
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = max(1, int(workers))
     # the period: its whole portfolio (large neighbourhood search included) even on one thread; one
-    # worker alone runs a single tree search, which did not improve Table 5's 1.5B m=32 ZB-2p in 30 s
+    # worker alone runs a single tree search, too weak for the period (bench/RESULTS.md, "labkit/theory/exact.py")
     solver.parameters.interleave_search = seed.objective == "period"
     t0 = time.monotonic()
     from ..core.progress import Progress

@@ -168,8 +168,9 @@ def search(pp_size: int, n_microbatches: int, cost: Cost | str, memory_limit: fl
     """The best order found for `pp_size` ranks (one stage each, or two in V placement) and
     `n_microbatches`, holding at most `memory_limit` (1F1B stage microbatches, `weight_memory` the share
     held from I until W) on any rank: the seeds that fit and every variant of the rule, ranked by the
-    objective ("period" or "makespan"; variants=False: the seeds alone, for large P x M), then, with `time_limit` > 0 seconds, the exact model
-    (`labkit.theory.exact`, needs OR-Tools) warm-started from that. Taught in notebook 13."""
+    objective ("period" or "makespan"; variants=False: the seeds alone, for large P x M), then, with
+    `time_limit` > 0 seconds, the exact model (`labkit.theory.exact`, needs OR-Tools) warm-started from
+    that. Taught in notebook 13."""
     if isinstance(cost, str):
         cost = Cost.parse(cost)
     _validate(pp_size, n_microbatches, memory_limit, stages_per_rank, weight_memory, objective)

@@ -85,7 +85,8 @@ def microbatched_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=
     xs, kws = x.chunk(n_microbatches, dim=chunk_dim), chunk_kwargs(kwargs, size, n_microbatches, chunk_dim)
     if loss_fn is None:
         with torch.no_grad(), autocast_ctx(device, autocast):
-            return Reference(output=torch.cat([_first(ref(xc, **kw)).detach() for xc, kw in zip(xs, kws)], dim=chunk_dim))
+            outputs = [_first(ref(xc, **kw)).detach() for xc, kw in zip(xs, kws)]
+            return Reference(output=torch.cat(outputs, dim=chunk_dim))
     losses = []
     for xc, yc, kw in zip(xs, y.chunk(n_microbatches, dim=chunk_dim), kws):
         with autocast_ctx(device, autocast):
