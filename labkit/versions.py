@@ -1,28 +1,35 @@
-"""The versions the kit supports (torch and every other dependency), what each newer torch added, and
-the one workaround it applies.
+"""The torch releases the kit supports, what each one differs in, and every use of torch's private API:
+the one file to read (and to adapt) when torch changes. Supported and tested: torch 2.11 to 2.15.
 
-Supported and tested: torch 2.11 through 2.15. `RANGES` declares the range of every dependency in
-pyproject.toml: its floor (pyproject.toml's and environment.yml's `>=`, None where they give none)
-and the newest release tested (the main lock's). `dev.py test` covers both ends: its first leg runs
-the whole suite on the main lock (requirements/lab-torch2.15.txt: the newest of everything), its
-second leg the reference runs, the log parser and every notebook on the floors lock
-(requirements/lab-torch2.11.txt: torch 2.11 and every package that has a floor at that floor, e.g.
-transformers 5.23). tests/test_environment.py keeps these ranges, pyproject.toml and the two locks
-in step; `labkit doctor` checks the installed packages against them (`range_problem`). What a lesson
-shows only on the torch versions that have it is listed in `FEATURES`; a notebook cell asks
-`has(...)` and says so. A lesson that depends on another package's release asks for its version
-itself and says what holds on each (notebook 11: transformers 5.23 and 5.24).
+- Ranges: `RANGES` declares the range of every dependency in pyproject.toml: its floor
+  (pyproject.toml's and environment.yml's `>=`, None where they give none) and the newest release
+  tested (the main lock's). `dev.py test` covers both ends: its first leg runs the whole suite on the
+  main lock (requirements/lab-torch2.15.txt: the newest of everything), its second leg the reference
+  runs, the log parser and every notebook on the floors lock (requirements/lab-torch2.11.txt: torch
+  2.11 and every package that has a floor at that floor, e.g. transformers 5.23).
+  tests/test_environment.py keeps these ranges, pyproject.toml and the two locks in step; `labkit
+  doctor` checks the installed packages against them (`range_problem`).
+- Features: what a lesson shows only on the torch versions that have it is listed in `FEATURES`; code
+  and notebook cells ask `has(...)` and say so. A lesson that depends on another package's release
+  asks for its version itself and says what holds on each (notebook 11: transformers 5.23 and 5.24).
+- The work-around (`apply_workarounds`, torch < 2.15): see below.
+- torch's private API: each use is a named function below (`stage_base_class`, `schedule_classes`,
+  `wrap_p2p`, `schedule_state`, `runtime_with_order`, `planning_stages`, ...) whose docstring says
+  which releases it covers; no other module of the kit imports a private torch name
+  (tests/test_torch_internals.py).
 
-The workaround (torch < 2.15, `apply_workarounds`, called by `worker.init_distributed`, so by every
-process the kit starts): before a multi-stage schedule's first step, torch 2.11 posts one warm-up
-send and receive between every pair of neighbouring stages, also when both stages live on the same
-rank, as in the V placement of ZBVZeroBubble and DualPipeV (rank 1 holds stages 1 and 2). gloo has
-no connection from a rank to itself, so the first step died with 'Pair is not connected'. The patch
-drops the warm-ups a rank would send to itself (they carry a dummy scalar; the runtime already moves
-tensors between two stages of one rank without sending them). torch 2.13 replaced that warm-up for
-`PipelineStage` (a vote that knows its own rank), but 2.13 and 2.14 keep it for the tracer's stages
-(`pipe.build_stage`): a traced model with several stages on one rank (`--nproc 1 --split tracer`)
-died the same way there (seen on 2.14.1 with traced BERT and Llama). torch 2.15 removed it.
+The work-around ('Pair is not connected'): before a multi-stage schedule's first step, torch 2.11
+posts one warm-up send and receive between every pair of neighbouring stages, also when both stages
+live on the same rank, as in the V placement of ZBVZeroBubble and DualPipeV (rank 1 holds stages 1
+and 2) or with several stages on one rank (`--nproc 1`). gloo has no connection from a rank to itself,
+so the first step died with 'Pair is not connected'. The patch drops the warm-ups a rank would send to
+itself (they carry a dummy scalar; the runtime already moves tensors between two stages of one rank
+without sending them). torch 2.13 replaced that warm-up for `PipelineStage` (a vote that knows its own
+rank), but 2.13 and 2.14 keep it for the tracer's stages (`pipe.build_stage`): a traced model with
+several stages on one rank died the same way there (seen on 2.14.1 with traced BERT and Llama). torch
+2.15 removed it. `worker.init_distributed` (every process the kit starts) and the kit's stage builders
+(`worker.stages.build_stages`, the transformers adapter) apply it; it is the kit's only answer to that
+error, for manual and traced stages alike.
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ FEATURES = {
 SELF_P2P_FIXED = (2, 15)
 """From this torch on, no stage posts a warm-up send to its own rank (see the module docstring)."""
 
+RUNTIME = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
+"""The full name of torch's action runtime (private in torch 2.11 to 2.15), as a result records it."""
+
 
 def parse(version: str) -> tuple[int, int]:
     """(major, minor) of a version string such as '2.15.0+cu132'."""
@@ -89,7 +99,7 @@ def parse(version: str) -> tuple[int, int]:
 
 
 def installed() -> tuple[int, int]:
-    """(major, minor) of the installed torch."""
+    """(major, minor) of the installed torch (any release: torch 2.11 to 2.15 give (2, 11) to (2, 15))."""
     import torch
 
     return parse(torch.__version__)
@@ -100,7 +110,8 @@ def text(v: tuple[int, int]) -> str:
 
 
 def has(feature: str) -> bool:
-    """Whether the installed torch has `feature` (a key of FEATURES)."""
+    """Whether the installed torch has `feature` (a key of FEATURES: what torch 2.14 and 2.15 added to
+    torch 2.11's pipelining)."""
     if feature not in FEATURES:
         raise KeyError(f"Unknown feature {feature!r}; the kit knows {', '.join(FEATURES)}.")
     return installed() >= FEATURES[feature][0]
@@ -136,19 +147,19 @@ def support_problem(version: str) -> str | None:
 
 def drop_self_p2p(ops: list, group_rank: int) -> list:
     """The warm-up ops (`dist.P2POp`) without those whose peer is this rank itself (ranks in the
-    pipeline's group, as `op.group_peer` and the stage's `group_rank` are)."""
+    pipeline's group, as `op.group_peer` and the stage's `group_rank` are; torch 2.11 to 2.14)."""
     return [op for op in ops if op.group_peer != group_rank]
 
 
 @functools.cache
 def apply_workarounds() -> list[str]:
     """Patch the installed torch where the kit needs it (see the module docstring); the names of the
-    patches applied. Idempotent; does nothing on torch >= 2.15."""
+    patches applied. Covers torch 2.11 to 2.14 (`_PipelineStageBase._get_init_p2p_neighbors_ops`,
+    private); does nothing on torch 2.15 and later. Idempotent and cheap: call it wherever stages are
+    built."""
     if installed() >= SELF_P2P_FIXED:
         return []
-    from torch.distributed.pipelining import stage as pp_stage
-
-    base = pp_stage._PipelineStageBase
+    base = stage_base_class()
     original = getattr(base, "_get_init_p2p_neighbors_ops", None)
     if original is None:
         return []
@@ -160,3 +171,133 @@ def apply_workarounds() -> list[str]:
     base._get_init_p2p_neighbors_ops = without_self
     return ["no warm-up send of a rank to itself (V schedules on gloo with torch < 2.13, traced stages "
             "sharing a rank with torch < 2.15)"]
+
+
+# ---- torch's private API: every use of it in the kit goes through one of these ----
+
+def stage_base_class() -> type:
+    """torch's `_PipelineStageBase` (torch.distributed.pipelining.stage, private in torch 2.11 to 2.15):
+    the class every stage (`PipelineStage`, the tracer's `_PipelineStage`) inherits its per-chunk
+    compute from (`forward_one_chunk`, ...); `labkit.spans.record` wraps those methods on it."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return _PipelineStageBase
+
+
+def stage_reduce_grad_methods() -> tuple[str, ...]:
+    """The names of the stage methods that reduce FSDP gradients, where this torch defines them on
+    `stage_base_class()`: `perform_reduce_grad` (torch 2.11 to 2.15), `start_gradient_reduction` and
+    `wait_for_gradient_reduction` (torch 2.15: the runtime's REDUCE_GRAD / WAIT_REDUCE_GRAD)."""
+    base = stage_base_class()
+    return tuple(n for n in ("perform_reduce_grad", "start_gradient_reduction", "wait_for_gradient_reduction")
+                 if n in vars(base))
+
+
+def schedule_classes() -> list[type]:
+    """Every schedule class of torch.distributed.pipelining.schedules (the subclasses of the private
+    `_PipelineSchedule`, itself included; torch 2.11 to 2.15), for wrapping their `step` / `eval`."""
+    from torch.distributed.pipelining import schedules
+
+    return [obj for obj in list(vars(schedules).values())
+            if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule)]
+
+
+def schedule_class(cls_name: str) -> type | None:
+    """`torch.distributed.pipelining.<cls_name>` (e.g. "ScheduleZBVZeroBubble"), None where this torch
+    has no such schedule. Every schedule the kit names exists in torch 2.11 to 2.15."""
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, cls_name, None)
+
+
+def accepts_kwargs_chunk_spec(schedule_cls: type) -> bool:
+    """Whether a schedule class takes `kwargs_chunk_spec`: every schedule but ScheduleLoopedBFS does in
+    torch 2.11 to 2.15 (its default cuts every tensor kwarg along dim 0)."""
+    import inspect
+
+    return "kwargs_chunk_spec" in inspect.signature(schedule_cls.__init__).parameters
+
+
+def is_schedule(obj) -> bool:
+    """Whether `obj` is a torch schedule object (an instance of the private `_PipelineSchedule`, the
+    base of every schedule in torch 2.11 to 2.15); False where torch's pipelining cannot be imported."""
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except Exception:
+        return False
+    return isinstance(obj, _PipelineSchedule)
+
+
+def schedule_state(schedule) -> tuple[int | None, list]:
+    """(n_microbatches, stages) of a torch schedule object, read from its private attributes
+    (`_n_microbatches`; `_stages` of a multi-stage schedule, `_stage` of a single-stage one; torch 2.11
+    to 2.15). Missing attributes give None and []."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    return getattr(schedule, "_n_microbatches", None), [s for s in stages if s is not None]
+
+
+P2P_FUNCTIONS = {"post": "_batch_p2p", "wait": "_wait_batch_p2p"}
+"""torch's private functions (torch.distributed.pipelining.schedules, torch 2.11 to 2.15) that post a
+batch of sends and receives, and that wait for them."""
+
+
+def wrap_p2p(which: str, make_wrapper, skip=frozenset()) -> str | None:
+    """Replace the function that posts (`which="post"`) or waits for (`"wait"`) a batch of sends and
+    receives (`P2P_FUNCTIONS`, torch 2.11 to 2.15) by `make_wrapper(original)`. Returns the name replaced;
+    None where this torch has no such function or its name is in `skip` (already wrapped)."""
+    from torch.distributed.pipelining import schedules
+
+    name = P2P_FUNCTIONS[which]
+    if name in skip or not hasattr(schedules, name):
+        return None
+    setattr(schedules, name, make_wrapper(getattr(schedules, name)))
+    return name
+
+
+def runtime_with_order(stages: list, n_microbatches: int, order_csv, loss_fn=None, **kwargs):
+    """torch's action runtime for `stages` with the compute-only order of the CSV file `order_csv` loaded;
+    torch adds the sends and receives. `_PipelineScheduleRuntime` and `_load_csv(path,
+    format="compute_only")`, the route torch's own docstring gives, are both private in torch 2.11 to
+    2.15. `kwargs` go to the runtime's constructor (e.g. scale_grads=False, kwargs_chunk_spec=...)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    schedule._load_csv(str(order_csv), format="compute_only")
+    return schedule
+
+
+def planning_stages(stage_indices, pp_size: int, n_stages: int) -> list:
+    """Stand-ins for rank 0's `PipelineStage`s (no model, no process group): enough for a schedule's
+    constructor to plan (`pipeline_order`) and for torch 2.15 to analyse that plan. The schedules of
+    torch 2.11 to 2.15 read only sizes from their stages when planning; these are autospec mocks, as
+    torch's own `_schedule_visualizer.get_schedule_ops` builds them."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = []
+    for s in stage_indices:
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = 0, pp_size, n_stages, s
+        stage.is_first, stage.is_last, stage.submod = s == 0, s == n_stages - 1, None
+        stages.append(stage)
+    return stages
+
+
+def redistribute_logger():
+    """The logger of torch's DTensor redistribution (the private module torch.distributed.tensor.
+    _redistribute, torch 2.11 to 2.15), which warns on every rank when 2-D shards (FSDP over TP) are
+    gathered in two steps."""
+    import logging
+
+    return logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+def keep_store_on_loopback(handler, make_store) -> bool:
+    """Make torch's dynamic rendezvous `handler` create the workers' TCP store with `make_store(addr,
+    port)` instead of its own (its private `_create_tcp_store_server`, torch 2.11 to 2.15). False, and
+    nothing changed, where this torch's handler has no such method."""
+    if not hasattr(handler, "_create_tcp_store_server"):
+        return False
+    handler._create_tcp_store_server = make_store
+    return True

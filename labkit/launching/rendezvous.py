@@ -37,6 +37,8 @@ def create_loopback_handler(params):
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+    from ..versions import keep_store_on_loopback
+
     class LoopbackBackend(C10dRendezvousBackend):
         @property
         def name(self) -> str:  # torchrun checks it against --rdzv-backend
@@ -45,13 +47,12 @@ def create_loopback_handler(params):
     timeout = int(params.get_as_int("read_timeout", 60) or 60)
     store = loopback_store(0, timeout)
     handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
-    if not hasattr(handler, "_create_tcp_store_server"):
+    # The store shared with the workers: also loopback-only (torch creates it on every interface).
+    if not keep_store_on_loopback(handler, lambda addr, port: loopback_store(port, timeout)):
         raise RuntimeError(
             "This torch's rendezvous handler has no _create_tcp_store_server: the kit cannot keep the "
             "workers' store on loopback. Set LABKIT_RDZV=standalone to use torchrun --standalone instead."
         )
-    # The store shared with the workers: also loopback-only (torch creates it on every interface).
-    handler._create_tcp_store_server = lambda addr, port: loopback_store(port, timeout)
     return handler
 
 

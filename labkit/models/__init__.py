@@ -11,8 +11,9 @@
 - `workload`: the controlled workload, stages whose compute time you set (launched by
   `labkit.launching.controlled`).
 
-May import: labkit.core, labkit.schedules, labkit.config, labkit.worker (stages, memory). Never the launching side:
-a model does not launch (the controlled workload's runner is labkit.launching.controlled).
+May import: labkit.core, labkit.versions, labkit.schedules, labkit.config, labkit.worker (stages, memory).
+Never the launching side: a model does not launch (the controlled workload's runner is
+labkit.launching.controlled).
 """
 
 from ..core import exports as _exports

@@ -102,8 +102,10 @@ class HFAdapter:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
 
+        from ..versions import apply_workarounds
         from . import hf, tied
 
+        apply_workarounds()  # a rank's warm-up send to itself (torch < 2.15, labkit.versions)
         cfg = self.cfg
         bounds = bounds or cfg.layer_bounds()
         n = cfg.n_stages
@@ -124,7 +126,8 @@ class HFAdapter:
             else:  # one set of tied groups per pipeline (every rank creates them all); keep our pipeline's
                 for dp in range(par.dp_size):
                     for tp in range(par.tp_size):
-                        tw = tied.find_tied(meta, bounds, names, lambda s: par.global_rank(rank_of[s], dp, tp), new_group)
+                        tw = tied.find_tied(meta, bounds, names, lambda s: par.global_rank(rank_of[s], dp, tp),
+                                            new_group)
                         if (dp, tp) == (par.dp_rank, par.tp_rank):
                             self.tied = tw
             stages = [PipelineStage(hf.manual_stage(cfg.model_name, cfg.model, full, s, bounds, device), s, n, device,
@@ -138,12 +141,8 @@ class HFAdapter:
             self.tied = tied.find_tied(full, bounds,
                                      lambda s: [nm for nm, _ in pipe.get_stage_module(s).named_parameters()],
                                      rank_of.get, new_group)
-            if cfg.info.v_shaped:
-                stages = [PipelineStage(pipe.get_stage_module(s), s, n, device) for s in local]
-                how = "tracer: pipeline(), PipelineStage(pipe.get_stage_module(i))"
-            else:
-                stages = [pipe.build_stage(s, device) for s in local]
-                how = "tracer: pipeline(), pipe.build_stage"
+            stages = [pipe.build_stage(s, device) for s in local]
+            how = "tracer: pipeline(), pipe.build_stage"
             self.first_inputs = hf.first_stage_inputs(pipe)
             if any(dropped.values()):
                 how += f"; unused tied copies dropped: {sorted({d for v in dropped.values() for d in v})}"
@@ -167,11 +166,12 @@ class HFAdapter:
         return tuple(named[n] for n in self.first_inputs), {}
 
     def schedule(self, stages, loss_fn, **kwargs):  # kwargs: unused (accumulation: tutorial model only)
-        import torch.distributed.pipelining as pp
         from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
+        from ..versions import accepts_kwargs_chunk_spec, schedule_class
+
         info = self.cfg.info
-        cls = getattr(pp, info.cls)
+        cls = schedule_class(info.cls)
         spec = {k: TensorChunkSpec(0) for k in self.KWARGS}  # (batch, seq): cut along the batch, as the tokens
         if self.cfg.split == "tracer":
             spec = None  # positional inputs only; the default cuts every one along dim 0
@@ -181,10 +181,9 @@ class HFAdapter:
             return runtime_from_csv(stages, self.cfg.n_microbatches, loss_fn, self.cfg.schedule_csv,
                                     kwargs_chunk_spec=spec)
         target = stages if info.multi else stages[0]
-        import inspect
-        if "kwargs_chunk_spec" not in inspect.signature(cls.__init__).parameters:
-            # ScheduleLoopedBFS takes no chunk specs (torch 2.13); its default cuts every tensor kwarg
-            # along dim 0, which is the same cut
+        if not accepts_kwargs_chunk_spec(cls):
+            # ScheduleLoopedBFS takes no chunk specs; its default cuts every tensor kwarg along dim 0,
+            # which is the same cut
             return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn)
         return cls(target, n_microbatches=self.cfg.n_microbatches, loss_fn=loss_fn, kwargs_chunk_spec=spec)
 

@@ -2,7 +2,7 @@
 parallelism replicated or by FSDP2, tensor parallelism by DTensor plans, the whole-global-batch check).
 Used by the reference job (`labkit run --dp-size D --tp-size T [--fsdp]`).
 
-May import: labkit.core, labkit.worker (process groups, collectives).
+May import: labkit.core, labkit.versions, labkit.worker (process groups, collectives).
 """
 
 from ..core import exports as _exports

@@ -131,8 +131,10 @@ def full_grads(grads: dict) -> dict:
     so every rank of a stage's dp x tp group calls it, in the same order)."""
     import logging
 
+    from ..versions import redistribute_logger
+
     # 2-D shards (FSDP over TP) are gathered in two steps; torch logs a warning about it on every rank
-    noisy = logging.getLogger("torch.distributed.tensor._redistribute")
+    noisy = redistribute_logger()
     level = noisy.level
     noisy.setLevel(logging.ERROR)
     try:

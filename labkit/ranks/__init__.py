@@ -7,8 +7,8 @@ choose.py (a schedule and m chosen under an activation cap, each candidate measu
 Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-05 (every schedule stepped;
 05 chooses one with choose.py).
 
-May import: labkit.core, labkit.logs, labkit.schedules, labkit.spans, labkit.config, labkit.worker (the rank side),
-labkit.timeline, labkit.launching (the torchrun launch of the pool).
+May import: labkit.core, labkit.versions, labkit.logs, labkit.schedules, labkit.spans, labkit.config,
+labkit.worker (the rank side), labkit.timeline, labkit.launching (the torchrun launch of the pool).
 """
 
 from ..core import exports as _exports

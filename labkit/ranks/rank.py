@@ -154,22 +154,20 @@ def _reader(link: Link, inbox: queue.Queue) -> None:
 def _schedule_facts(e: BaseException) -> dict | None:
     """The schedule a failed cell was stepping (found in its traceback), as the kernel compares it
     across ranks to name the mistake (the same stage_index on two ranks, different n_microbatches)."""
-    try:
-        from torch.distributed.pipelining.schedules import _PipelineSchedule
-    except Exception:
-        return None
+    from ..versions import is_schedule, schedule_state
+
     found, tb = None, e.__traceback__
     while tb is not None:
         obj = tb.tb_frame.f_locals.get("self")
-        if isinstance(obj, _PipelineSchedule):
+        if is_schedule(obj):
             found = obj
         tb = tb.tb_next
     if found is None:
         return None
-    stages = getattr(found, "_stages", None) or [getattr(found, "_stage", None)]
     try:
-        return {"schedule": type(found).__name__, "n_microbatches": getattr(found, "_n_microbatches", None),
-                "stages": [[int(s.stage_index), int(s.num_stages), str(s.device)] for s in stages if s is not None]}
+        n_microbatches, stages = schedule_state(found)
+        return {"schedule": type(found).__name__, "n_microbatches": n_microbatches,
+                "stages": [[int(s.stage_index), int(s.num_stages), str(s.device)] for s in stages]}
     except Exception:
         return None
 
@@ -307,7 +305,8 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
     _mark_schedule(log_path, started)
     if reply["ok"]:
         value = reply["value"]
-        if type(value).__module__.startswith("torch") and getattr(getattr(value, "device", None), "type", "cpu") != "cpu":
+        device_type = getattr(getattr(value, "device", None), "type", "cpu")
+        if type(value).__module__.startswith("torch") and device_type != "cpu":
             value = value.detach().cpu()  # the kernel may have no GPU
         reply["value"] = channel.wrap(value)
     reply["schedule"] = STATE.schedule
@@ -339,7 +338,8 @@ def main() -> None:
     logging.getLogger(PP_LOGGER).addHandler(_level(_ScheduleSeen(), logging.INFO))
     _pin_log_handlers()
     sys.stdout, sys.stderr = Tee(sys.stdout, "stdout", link), Tee(sys.stderr, "stderr", link)
-    info = init_distributed(os.environ.get(channel.DEVICE_VAR, "auto"), float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))
+    info = init_distributed(os.environ.get(channel.DEVICE_VAR, "auto"),
+                            float(os.environ.get(channel.PG_TIMEOUT_VAR, "600")))
     ns = {"__name__": "__main__", "__builtins__": __builtins__, "rank": info.rank, "world_size": info.world_size,
           "local_rank": info.local_rank, "device": info.device, "dist": dist, "torch": torch}
     link.send({"t": "hello", "rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,

@@ -10,7 +10,7 @@ The timeline the kit draws by default (`labkit timeline`, `%%ranks --timeline`, 
 the explorer, `labkit.run`) comes from spans where they exist: see `labkit.timeline.compare.load_timeline`.
 Taught in notebook 06b.
 
-May import: labkit.core, labkit.logs (idle causes).
+May import: labkit.core, labkit.versions (torch's private API), labkit.logs (idle causes).
 """
 
 from ..core import exports as _exports

@@ -3,13 +3,13 @@
 `install()` patches torch's pipelining classes once per process (class attributes, so every stage
 and schedule a script builds is covered, with no change to the script):
 
-- compute: `_PipelineStageBase.forward_one_chunk` (F), `backward_one_chunk` (B, or I when the
+- compute: the stages' base class's `forward_one_chunk` (F), `backward_one_chunk` (B, or I when the
   schedule splits the backward: `full_backward=False`) and `backward_weight_one_chunk` (W). The
   schedules wait for incoming tensors outside these calls, so a span is the action's own work, in
   every schedule (GPipe and 1F1B included, which log only when an action ends) and for both halves
   of an OVERLAP_F_B pair (the runtime calls them one after the other);
-- communication: `schedules._batch_p2p` (posting sends / receives: kind SEND or RECV) and
-  `schedules._wait_batch_p2p` (waiting for them: kind WAIT, `what` says recv, send or both);
+- communication: torch's functions that post sends / receives (kind SEND or RECV) and wait for them
+  (kind WAIT, `what` says recv, send or both): `labkit.versions.wrap_p2p`;
 - FSDP2 under pipelining: `perform_reduce_grad` (2.15: `start_gradient_reduction` and
   `wait_for_gradient_reduction`) as REDUCE_GRAD, and `FSDPModule.unshard` / `reshard`
   (UNSHARD / RESHARD: the runtime's actions of those names; the all-gather itself may finish inside
@@ -24,7 +24,8 @@ the seconds it ran (`cpu` on each line) and the seconds it was runnable but wait
 the machine was busy; a sleep or a blocking wait is neither). The ranks compute on that one thread
 (OMP_NUM_THREADS=1). Each step's `end_step` line adds the machine's load: the 1-minute load
 average, the runnable processes, the cores, and the rank thread's CPU and run-queue seconds in the
-step (`labkit.spans.idle`: the cause "descheduled: the machine was busy"). On CUDA the ends are CUDA events recorded on the current stream around the action
+step (`labkit.spans.idle`: the cause "descheduled: the machine was busy"). On CUDA the ends are CUDA
+events recorded on the current stream around the action
 and read after the step (one synchronize per step); they are placed on the host clock through one
 event recorded right after a synchronize at the step's start: device times, not the host's enqueue
 times. Cost on CPU: two clock reads and one list append per action (bench: at most 1.03x per step).
@@ -103,33 +104,31 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
 
 
 def _patch() -> None:
-    from torch.distributed.pipelining import schedules, stage
+    # torch's private classes and functions come from labkit.versions (the releases each covers)
+    from ..versions import schedule_classes, stage_base_class, stage_reduce_grad_methods, wrap_p2p
 
-    base = stage._PipelineStageBase
+    base = stage_base_class()
     for name, kind_of in (("forward_one_chunk", lambda a, k: "F"),
                           ("backward_one_chunk", _backward_kind),
                           ("backward_weight_one_chunk", lambda a, k: "W")):
         if name in vars(base) and name not in _PATCHED:
             setattr(base, name, _compute_wrapper(getattr(base, name), kind_of))
             _PATCHED.add(name)
-    if hasattr(schedules, "_batch_p2p") and "_batch_p2p" not in _PATCHED:
-        schedules._batch_p2p = _post_wrapper(schedules._batch_p2p)
-        _PATCHED.add("_batch_p2p")
-    if hasattr(schedules, "_wait_batch_p2p") and "_wait_batch_p2p" not in _PATCHED:
-        schedules._wait_batch_p2p = _wait_wrapper(schedules._wait_batch_p2p)
-        _PATCHED.add("_wait_batch_p2p")
+    for which, make_wrapper in (("post", _post_wrapper), ("wait", _wait_wrapper)):
+        if (name := wrap_p2p(which, make_wrapper, skip=_PATCHED)) is not None:
+            _PATCHED.add(name)
     try:  # FSDP2's all-gather / free of a stage's parameters (the runtime's UNSHARD / RESHARD actions)
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover (torch 2.11-2.15 have it)
         FSDPModule = None
-    # FSDP's gradient reduce-scatter: perform_reduce_grad (2.11-2.14), start_gradient_reduction and
-    # wait_for_gradient_reduction (2.15, the runtime's REDUCE_GRAD / WAIT_REDUCE_GRAD). Without FSDP
+    # FSDP's gradient reduce-scatter (the runtime's REDUCE_GRAD / WAIT_REDUCE_GRAD). Without FSDP
     # perform_reduce_grad only scales the gradients by 1/m (runtime work, left to the overhead between
     # actions), so only FSDP stages get a span
-    for name in ("perform_reduce_grad", "start_gradient_reduction", "wait_for_gradient_reduction"):
-        if FSDPModule is not None and name in vars(base) and name not in _PATCHED:
+    for name in stage_reduce_grad_methods():
+        if FSDPModule is not None and name not in _PATCHED:
             setattr(base, name, _op_wrapper(getattr(base, name), "REDUCE_GRAD",
-                                            lambda st, rec: isinstance(st.submod, FSDPModule), lambda st: st.stage_index))
+                                            lambda st, rec: isinstance(st.submod, FSDPModule),
+                                            lambda st: st.stage_index))
             _PATCHED.add(name)
     for name, kind in (("unshard", "UNSHARD"), ("reshard", "RESHARD")):
         if FSDPModule is not None and name in vars(FSDPModule) and f"FSDPModule.{name}" not in _PATCHED:
@@ -137,13 +136,12 @@ def _patch() -> None:
             setattr(FSDPModule, name, _op_wrapper(getattr(FSDPModule, name), kind, lambda m, rec: rec.depth > 0,
                                                   lambda m: -1))
             _PATCHED.add(f"FSDPModule.{name}")
-    for obj in list(vars(schedules).values()):
-        if isinstance(obj, type) and issubclass(obj, schedules._PipelineSchedule):
-            for name in ("step", "eval"):
-                key = f"{obj.__name__}.{name}"
-                if name in vars(obj) and key not in _PATCHED:
-                    setattr(obj, name, _step_wrapper(vars(obj)[name]))
-                    _PATCHED.add(key)
+    for obj in schedule_classes():
+        for name in ("step", "eval"):
+            key = f"{obj.__name__}.{name}"
+            if name in vars(obj) and key not in _PATCHED:
+                setattr(obj, name, _step_wrapper(vars(obj)[name]))
+                _PATCHED.add(key)
 
 
 def _backward_kind(args, kwargs) -> str:

@@ -8,7 +8,7 @@ several microbatch counts, and the ideal step it gives). Orders themselves, how 
 checked, are `labkit.schedules.orders`. Taught in notebooks 03, 04-06, 08 and 13; the names a lesson
 imports are below (README, "The lesson API").
 
-May import: labkit.core, labkit.schedules.
+May import: labkit.core, labkit.versions (torch's planning stages), labkit.schedules.
 """
 
 from ..core import exports as _exports

@@ -77,33 +77,22 @@ def _torch_order(info, pp_size: int, m: int, stages_per_rank: int) -> dict[int, 
 def mock_schedule(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1):
     """torch's schedule object for rank 0, built with mock stages (no process group): enough for what
     a schedule plans (`pipeline_order`) and what torch 2.15 analyses from it (`labkit.worker.memory`)."""
+    from ..versions import planning_stages, schedule_class
+
     info = schedule_info(schedule)
     m = n_microbatches
     try:
-        from unittest import mock
-
-        import torch.distributed.pipelining as pipelining
-        from torch.distributed.pipelining import PipelineStage
-
-        schedule_cls = getattr(pipelining, info.cls)
-    except (ImportError, AttributeError) as e:
-        raise ScheduleError(f"torch {torch_version()} has no torch.distributed.pipelining.{info.cls} ({e}). "
+        schedule_cls = schedule_class(info.cls)
+    except ImportError as e:
+        raise ScheduleError(f"torch {torch_version()} has no torch.distributed.pipelining ({e}). "
                             f"The kit needs torch >= 2.11; check `labkit doctor`.") from e
+    if schedule_cls is None:
+        raise ScheduleError(f"torch {torch_version()} has no torch.distributed.pipelining.{info.cls}. "
+                            f"The kit needs torch >= 2.11; check `labkit doctor`.")
 
     n_stages = pp_size * stages_per_rank
-    stages = []
-    # The schedules only read sizes from the stages when planning (torch's own
-    # _schedule_visualizer.get_schedule_ops does the same with autospec mocks).
-    for s in stage_placement(pp_size, stages_per_rank, info.v_shaped)[0]:
-        stage = mock.create_autospec(PipelineStage, instance=True)
-        stage.group_rank = 0
-        stage.group_size = pp_size
-        stage.num_stages = n_stages
-        stage.stage_index = s
-        stage.is_first = s == 0
-        stage.is_last = s == n_stages - 1
-        stage.submod = None
-        stages.append(stage)
+    # The schedules only read sizes from the stages when planning (labkit.versions.planning_stages)
+    stages = planning_stages(stage_placement(pp_size, stages_per_rank, info.v_shaped)[0], pp_size, n_stages)
     try:
         return schedule_cls(stages if info.multi else stages[0], m)
     except ValueError as e:  # torch's own rule for this combination: pass it on, it is the lesson
@@ -162,5 +151,6 @@ def planned_actions(schedule: str, pp_size: int, n_microbatches: int,
         seen = sorted({s for _, s, _ in order[r]})
         if seen != sorted(expected[r]):
             raise ScheduleError(f"torch {torch_version()} places stages {seen} on rank {r} for {info.name}, but "
-                                f"labkit.schedules.table.stage_placement says {expected[r]}: please report this kit bug.")
+                                f"labkit.schedules.table.stage_placement says {expected[r]}: please report this kit "
+                                f"bug.")
     return order

@@ -70,22 +70,22 @@ def torch_liveness(schedule, pp_size: int, n_microbatches: int, stages_per_rank:
 
     `schedule` is a schedule's name, or an explicit order `{rank: [(kind, stage, microbatch), ...]}`
     (one stage per rank, e.g. a searched one, notebook 13): torch's action runtime loads it as the
-    compute-only CSV a run would (`_PipelineScheduleRuntime._load_csv`, private) and torch analyses
-    what it loaded.
+    compute-only CSV a run would (`labkit.versions.runtime_with_order`) and torch analyses what it
+    loaded.
 
     Raises `ScheduleError` on a torch without the analysis (before 2.15), and passes on torch's own
     `ValueError` when it cannot read the schedule's plan (2.15 reads Schedule1F1B's last rank as
     forwarding microbatches 1..m instead of 0..m-1, notebook 04).
     """
-    from torch.distributed import pipelining
-
     from ..schedules.orders import ScheduleError
     from ..theory.plans import mock_schedule
+    from ..versions import has
 
-    analyze = getattr(pipelining, "analyze_pipeline_activation_liveness", None)
-    if analyze is None:
+    if not has("activation liveness"):
         raise ScheduleError("analyze_pipeline_activation_liveness needs torch 2.15 or newer "
                             "(labkit.versions.has('activation liveness')).")
+    from torch.distributed.pipelining import analyze_pipeline_activation_liveness as analyze
+
     from ..schedules.table import stage_placement, schedule_info
 
     if isinstance(schedule, str):
@@ -102,26 +102,18 @@ def torch_liveness(schedule, pp_size: int, n_microbatches: int, stages_per_rank:
 
 
 def _runtime_with_order(order, pp_size: int, n_microbatches: int):
-    """torch's `_PipelineScheduleRuntime` for rank 0 (mock stage, no process group) with `order`
-    loaded through `_load_csv`, the route a real run takes (`labkit.worker.stages.runtime_from_csv`)."""
+    """torch's action runtime for rank 0 (a planning stage, no process group) with `order` loaded
+    through its CSV, the route a real run takes (`labkit.versions.runtime_with_order`)."""
     import tempfile
     from pathlib import Path
-    from unittest import mock
-
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # private (torch 2.11-2.15)
 
     from ..schedules.orders import order_csv
+    from ..versions import planning_stages, runtime_with_order
 
-    stage = mock.create_autospec(PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = 0, pp_size, pp_size, 0
-    stage.is_first, stage.is_last, stage.submod = True, pp_size == 1, None
-    sched = _PipelineScheduleRuntime([stage], n_microbatches)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "order.csv"
         path.write_text(order_csv(order))
-        sched._load_csv(str(path), format="compute_only")
-    return sched
+        return runtime_with_order(planning_stages([0], pp_size, pp_size), n_microbatches, path)
 
 
 class SavedTensorTracker:
@@ -131,7 +123,8 @@ class SavedTensorTracker:
     every tensor autograd saves is wrapped in a small holder, counted when it is saved and uncounted
     when autograd lets it go (after the backward that needs it: B, or W for a split backward). Bytes
     are those the saved tensors look at (`byte_range`: a view counts its part of its storage, memory
-    saved twice counts once), and the stage's own parameters are not activations and are left out. `events` holds `(time, stage, bytes held by that stage)` at every change, time as
+    saved twice counts once), and the stage's own parameters are not activations and are left out.
+    `events` holds `(time, stage, bytes held by that stage)` at every change, time as
     `time.time()` (the clock of the kit's log lines, so it lines up with the step's timeline). On a
     GPU each event also carries `torch.cuda.memory_allocated()`, the allocator's view (everything,
     not only activations); on CPU that field is None.

@@ -4,10 +4,9 @@ Manual (notebook 01): copy the full model and delete what a stage does not own, 
 in `PipelineStage`. Tracer (notebook 02): `pipeline()` traces the whole model with torch.export,
 cuts it at `SplitPoint.BEGINNING` of layer boundaries, and `Pipe.build_stage` wraps a piece.
 
-Pitfall handled here (NOTES): tracer split + `build_stage` + a V-shaped schedule fails on gloo
-("Pair is not connected"), because the traced stage posts a warm-up send to its neighbour stage
-on the same rank. For V-shaped schedules the kit wraps `pipe.get_stage_module(i)` in
-`PipelineStage` itself, and records that it did.
+Several stages on one rank (a V placement, `--nproc 1`): torch 2.11 to 2.14 post a warm-up send of
+a rank to itself, which gloo cannot make ('Pair is not connected'); `build_stages` applies the kit's
+one work-around for it first (`labkit.versions.apply_workarounds`), for manual and traced stages alike.
 """
 
 from __future__ import annotations
@@ -54,6 +53,9 @@ def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None)
     """The `PipelineStage`s of `rank`, in the order the schedule expects, and how they were built."""
     from torch.distributed.pipelining import PipelineStage
 
+    from ..versions import apply_workarounds
+
+    apply_workarounds()  # a rank's warm-up send to itself (torch < 2.15): see the module docstring
     n = cfg.n_stages
     local = cfg.stages_of_rank(rank)
     if cfg.split == "manual":
@@ -64,9 +66,6 @@ def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None)
         return stages, "manual: deleted layers, PipelineStage"
 
     pipe = trace_pipe(cfg, full, device)
-    if cfg.info.v_shaped:
-        stages = [PipelineStage(pipe.get_stage_module(s), s, n, device, group=group) for s in local]
-        return stages, "tracer: pipeline(), PipelineStage(pipe.get_stage_module(i)) (build_stage fails for V-shaped schedules on gloo)"
     stages = [pipe.build_stage(s, device, group) for s in local]
     return stages, "tracer: pipeline(), pipe.build_stage"
 
@@ -85,13 +84,13 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
 def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
     """The torch schedule object `info` names, for these stages (`loss_fn=None`: forward only);
     `kwargs` go to its constructor (e.g. scale_grads=False)."""
-    import torch.distributed.pipelining as pp
+    from ..versions import RANGES, schedule_class
 
-    cls = getattr(pp, info.cls, None)
+    cls = schedule_class(info.cls)
     if cls is None:
-        raise RuntimeError(
-            f"torch {torch.__version__} has no {info.cls}; upgrade torch (the kit supports 2.8 and later)."
-        )
+        torch_range = RANGES["torch"]
+        raise RuntimeError(f"torch {torch.__version__} has no {info.cls}; install a torch the kit supports "
+                           f"({torch_range.floor} to {torch_range.newest}; `labkit doctor` checks it).")
     if info.multi:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
@@ -105,12 +104,8 @@ def build_schedule(cfg: RunConfig, stages: list, loss_fn=None, **kwargs):
 
 
 def runtime_from_csv(stages: list, n_microbatches: int, loss_fn, order_csv, **kwargs):
-    """torch's action runtime loaded with a compute-only order (torch adds SEND/RECV itself).
+    """torch's action runtime loaded with a compute-only order (torch adds SEND/RECV itself): the private
+    route `labkit.versions.runtime_with_order` owns."""
+    from ..versions import runtime_with_order
 
-    `_PipelineScheduleRuntime` + `_load_csv(path, format="compute_only")`, the route torch's own
-    docstring gives. Both names are PRIVATE in torch 2.11-2.15: this is the one place to adapt."""
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
-    schedule._load_csv(str(order_csv), format="compute_only")
-    return schedule
+    return runtime_with_order(stages, n_microbatches, order_csv, loss_fn, **kwargs)
