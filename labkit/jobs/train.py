@@ -373,7 +373,9 @@ def report(job: Job, outcome: Outcome, out_dir, a: argparse.Namespace) -> None:
 
         result["schedule_csv"] = cfg.schedule_csv
         result["order"] = {str(r): acts for r, acts in read_order_csv(cfg.schedule_csv).items()}
-        result["runtime"] = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
+        from ..versions import RUNTIME
+
+        result["runtime"] = RUNTIME
     result.update(BenchOptions.from_args(a).result_fields(cfg.steps))  # the capture / span-overhead benchmarks
     worker.write_result(out_dir, d, check, **result)
     mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if job.par is not None else ""

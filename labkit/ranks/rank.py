@@ -48,7 +48,8 @@ STATE = _State()
 
 
 def _on_sigint(signum, frame):
-    # Installed explicitly: a process started in the background inherits SIGINT ignored (NOTES).
+    # Installed explicitly: a process started in the background inherits SIGINT ignored
+    # (shared/NOTES.md, beside the repository).
     if not STATE.in_cell:
         return
     if STATE.main_sending:

@@ -28,7 +28,8 @@ step (`labkit.spans.idle`: the cause "descheduled: the machine was busy"). On CU
 events recorded on the current stream around the action
 and read after the step (one synchronize per step); they are placed on the host clock through one
 event recorded right after a synchronize at the step's start: device times, not the host's enqueue
-times. Cost on CPU: two clock reads and one list append per action (bench: at most 1.03x per step).
+times. Cost on CPU: two clock reads and one list append per action, a few per cent of a CPU step at
+most (bench/RESULTS.md).
 
 The kit's own share, measured (not estimated): each wrapper also reads the host clock on entry and
 on exit, so the time it spends around torch's call is known: `pre` (entry to the span's start) and
