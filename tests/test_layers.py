@@ -216,3 +216,39 @@ def test_each_package_may_import_line_agrees_with_layers():
         for n in sorted(never & allowed):
             wrong.append(f"{unit} says never {n}, which LAYERS puts below it")
     assert not wrong, "\n".join(wrong)
+
+
+def _sibling_imports(path: Path, siblings: set) -> set:
+    """The modules of the same package that `path` imports (`from .x import`, `from . import x`), at
+    run time: an import under `if TYPE_CHECKING:` is for annotations only and makes no circle."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.level == 1 and id(n) not in typing_only:
+            names = [n.module.split(".")[0]] if n.module else [a.name for a in n.names]
+            found.update(x for x in names if x in siblings and x != path.stem)
+    return found
+
+
+def test_no_package_imports_itself_in_a_circle():
+    """Inside a package the modules import each other one way (issue 43: search, exact, polish and
+    simulate imported each other; spans' record and recorder did too)."""
+    for pkg in sorted(p for p in PKG.iterdir() if (p / "__init__.py").exists()):
+        mods = {p.stem: p for p in pkg.glob("*.py") if p.stem != "__init__"}
+        graph = {m: _sibling_imports(p, set(mods)) for m, p in mods.items()}
+        done, on_path = set(), []
+
+        def visit(m):
+            assert m not in on_path, f"{pkg.name}: import circle {' -> '.join(on_path[on_path.index(m):] + [m])}"
+            if m in done:
+                return
+            on_path.append(m)
+            for n in sorted(graph[m]):
+                visit(n)
+            on_path.pop()
+            done.add(m)
+
+        for m in sorted(graph):
+            visit(m)

@@ -56,32 +56,8 @@ from pathlib import Path
 
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
-from .recorder import Recorder
+from .recorder import Recorder, _cpu
 _clock = time.time
-_SCHED_FDS: dict[int, int | None] = {}
-
-
-def _cpu() -> tuple:
-    """(CPU seconds this thread ran, seconds it waited for a CPU while runnable), both cumulative:
-    Linux's per-thread scheduler statistics (/proc/self/task/<tid>/schedstat: on-CPU and run-queue
-    nanoseconds, one pread of a file kept open, ~1 us); where there are none, (time.thread_time(), None)."""
-    import threading
-
-    tid = threading.get_native_id()
-    fd = _SCHED_FDS.get(tid, -1)
-    if fd == -1:
-        try:
-            fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-        except OSError:
-            fd = None
-        _SCHED_FDS[tid] = fd
-    if fd is not None:
-        try:
-            ran, queued = os.pread(fd, 64, 0).split()[:2]
-            return int(ran) / 1e9, int(queued) / 1e9
-        except (OSError, ValueError):
-            pass
-    return time.thread_time(), None
 
 
 RECORDER: Recorder | None = None

@@ -18,15 +18,37 @@ PATCHED: set[str] = set()
 COMPUTE = ("F", "B", "I", "W")
 
 _clock = time.time
+_SCHED_FDS: dict[int, int | None] = {}
+
+
+def _cpu() -> tuple:
+    """(CPU seconds this thread ran, seconds it waited for a CPU while runnable), both cumulative:
+    Linux's per-thread scheduler statistics (/proc/self/task/<tid>/schedstat: on-CPU and run-queue
+    nanoseconds, one pread of a file kept open, ~1 us); where there are none, (time.thread_time(), None)."""
+    import threading
+
+    tid = threading.get_native_id()
+    fd = _SCHED_FDS.get(tid, -1)
+    if fd == -1:
+        try:
+            fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = None
+        _SCHED_FDS[tid] = fd
+    if fd is not None:
+        try:
+            ran, queued = os.pread(fd, 64, 0).split()[:2]
+            return int(ran) / 1e9, int(queued) / 1e9
+        except (OSError, ValueError):
+            pass
+    return time.thread_time(), None
 
 
 def machine_load(at_start: tuple) -> dict:
     """What the machine was doing at a step's end, for its `end_step` line: the 1-minute load average,
     the processes runnable right now (/proc/loadavg, Linux), the cores, and the rank thread's CPU
     seconds in the step (its own share: cpu / wall) and seconds it waited for a CPU (`queued`), from
-    its clocks `at_start` of the step (`labkit.spans.record._cpu`)."""
-    from .record import _cpu
-
+    its clocks `at_start` of the step (`_cpu`)."""
     now = _cpu()
     out = {"cpu": round(now[0] - at_start[0], 9), "cores": os.cpu_count()}
     if now[1] is not None and at_start[1] is not None:
@@ -63,7 +85,7 @@ class Recorder:
         self.calls = 0                 # wrapped calls this step
         self.loose: list[list[float]] = []  # host intervals of the kit's code in calls without a span
         self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
-        self.step_cpu: tuple = (time.thread_time(), None)  # the rank thread's clocks at the step's start (record._cpu)
+        self.step_cpu: tuple = (time.thread_time(), None)  # the rank thread's clocks at the step's start (_cpu)
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -114,8 +136,6 @@ class Recorder:
     def begin_step(self, schedule: str = "") -> None:
         self.depth += 1
         if self.depth == 1:
-            from .record import _cpu
-
             self.step_cpu = _cpu()
         if self.depth == 1 and schedule:
             self.schedule = schedule
@@ -165,7 +185,7 @@ class Recorder:
                     row["pre"], row["post"] = round(pre, 9), round(post, 9)
                 if host and pieces:
                     row["kit"] = [[round(a, 7), round(b, 7)] for a, b in pieces]
-                if host and cpu:  # ((ran, queued) at the start, at the end): record._cpu
+                if host and cpu:  # ((ran, queued) at the start, at the end): _cpu
                     row["cpu"] = [round(cpu[0][0], 7), round(cpu[1][0], 7)]
                     if cpu[0][1] is not None:
                         row["rq"] = [round(cpu[0][1], 7), round(cpu[1][1], 7)]
