@@ -96,8 +96,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
 
 
 def teardown() -> None:
-    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (shared/NOTES.md, beside the
-    repository)."""
+    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (shared/NOTES.md)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
