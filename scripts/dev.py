@@ -25,6 +25,7 @@ This file and envsetup.py use only the standard library: they run before anythin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -141,6 +142,16 @@ def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial:
     if workers > 1:
         cmd += ["-n", str(workers), "--dist", "loadgroup", "--no-loadscope-reorder"]
     return [*cmd, "-m", "not serial", *argv]
+
+
+def alone_notebooks() -> list[str]:
+    """The notebooks whose metadata says `labkit.alone` (they compare a quiet machine with a busy one):
+    tests/conftest.py marks their cells `serial`, so they run in the serial pass, alone."""
+    found = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        if json.loads(path.read_text()).get("metadata", {}).get("labkit", {}).get("alone"):
+            found.append(str(path.relative_to(ROOT)))
+    return found
 
 
 ARTIFACTS = ROOT / "test-artifacts"  # logs of a test run (git-ignored)
@@ -322,11 +333,11 @@ def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> in
         if other is not None:
             other.kill()
         raise
-    print("\n== tests that end or count every kit process on the machine (marked serial), alone ==", flush=True)
-    serial_rc = pytest(VENV, ("tests",), argv, serial=True)
+    print("\n== tests that end, count or time every kit process on the machine (marked serial), alone ==", flush=True)
+    serial_rc = pytest(VENV, ("tests", *alone_notebooks()), argv, serial=True)
     serial_rc = 0 if serial_rc == 5 else serial_rc  # none selected (e.g. by -k): nothing to run alone
     if other is not None and other.rc is not None:  # leg 2's serial tests on its torch, alone too
-        other_tests = [p for p in OTHER_END_TESTS if p.startswith("tests/")]
+        other_tests = [p for p in OTHER_END_TESTS if p.startswith("tests/")] + alone_notebooks()
         rc = pytest(OTHER_VENV, other_tests, argv, serial=True, leg=2)
         other_rc = other_rc or (0 if rc == 5 else rc)
     verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731

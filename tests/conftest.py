@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -114,7 +115,6 @@ UNIT_SECONDS = {  # {unit: its tests' seconds in leg 1 of a full run on 2 worker
     "tests/test_fidelity.py": 70,
     "tests/test_wheel.py": 60,
     "notebooks/00_welcome.ipynb": 60,
-    "notebooks/06b_measuring_a_step.ipynb": 60,
     "notebooks/14_pipelining_in_practice.ipynb": 50,
 }
 _uses_pools: dict = {}
@@ -146,8 +146,23 @@ def pytest_xdist_make_scheduler(config, log):
     return Units(config, log)
 
 
+_alone: dict = {}
+
+
+def runs_alone(path: Path) -> bool:
+    """Whether the notebook at `path` must run alone, in the serial pass (its metadata's
+    `labkit.alone` says why: it compares a quiet machine with a busy one)."""
+    if path not in _alone:
+        meta = json.loads(path.read_text()).get("metadata", {}) if path.suffix == ".ipynb" and path.exists() else {}
+        _alone[path] = bool(meta.get("labkit", {}).get("alone"))
+    return _alone[path]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a notebook that compares a quiet machine with a busy one runs alone, as `serial`
+        if runs_alone(REPO / item.nodeid.split("::")[0]):
+            item.add_marker(pytest.mark.serial)
     if getattr(config.option, "loadgroup", False):  # on an xdist worker of `--dist loadgroup`
         items.sort(key=lambda item: -UNIT_SECONDS.get(work_unit(item.nodeid), 0))  # stable: in-file order kept
 

@@ -392,3 +392,22 @@ def test_two_workers_get_whole_units_longest_first(monkeypatch):
     assert unit("tests/test_bench.py::test_live_ranks_bench") == "tests/test_bench.py"  # bench.live_ranks( is no pool
     assert unit("notebooks/05_schedules_multistage.ipynb::Cell 3") == "notebooks/05_schedules_multistage.ipynb"
     assert max(conftest.UNIT_SECONDS, key=conftest.UNIT_SECONDS.get) == conftest.POOLS_UNIT
+
+
+def test_a_notebook_that_compares_a_quiet_machine_with_a_busy_one_runs_alone():
+    """Notebook 06b times steps beside busy loops against quiet steps: beside a second worker its
+    quiet steps were not quiet (CI: quiet shares 0.26, 0.11, 0.24 against 0.21, 0.17, 0.24 busy).
+    Its metadata says so; its cells are marked `serial` and both legs' serial passes run it alone."""
+    import conftest
+
+    dev = _dev_module()
+    alone = dev.alone_notebooks()
+    assert alone == ["notebooks/06b_measuring_a_step.ipynb"]
+    assert conftest.runs_alone(ROOT / alone[0]) and not conftest.runs_alone(ROOT / "notebooks/05_schedules_multistage.ipynb")
+    assert not conftest.runs_alone(ROOT / "tests/test_load.py")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--collect-only", "-q",
+                        "-m", "serial", "tests/test_load.py", *alone], cwd=ROOT, capture_output=True, text=True)
+    picked = [line for line in r.stdout.splitlines() if "::" in line]
+    assert any(line.startswith(alone[0] + "::Cell") for line in picked), r.stdout[-2000:]
+    assert all(line.startswith(alone[0]) or "test_a_busy_machine" in line for line in picked), picked
+    assert len([line for line in picked if line.startswith(alone[0])]) > 30   # every cell, not some
