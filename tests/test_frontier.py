@@ -1,4 +1,4 @@
-"""The memory frontier (labkit/theory/frontier.py, drawn by labkit/timeline/frontier.py; notebook 13):
+"""The memory frontier (labkit/theory/frontier.py, drawn by labkit/timeline/frontier_plot.py; notebook 13):
 searched orders and torch's built-in schedules as (peak, makespan) points at the same costs."""
 
 import matplotlib
@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 from labkit.core.errors import ConfigError  # noqa: E402
 from labkit.theory.frontier import BUILT_INS, best_at, fit_per_action, frontier  # noqa: E402
-from labkit.timeline.frontier import plot_frontier  # noqa: E402
+from labkit.timeline.frontier_plot import plot_frontier  # noqa: E402
 
 
 @pytest.fixture(scope="module")

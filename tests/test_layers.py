@@ -124,6 +124,17 @@ def test_no_module_is_over_420_lines():
     assert not long, f"split these by what they own: {long}"
 
 
+def test_no_module_name_is_used_twice():
+    """One name, one home: `frontier.py` in theory/ and timeline/, `controlled.py` in launching/ and
+    jobs/ read as one concept in two places (a drawing module is named for what it draws: `*_plot`)."""
+    homes: dict[str, list[str]] = {}
+    for f in every_module():
+        if f.name not in ("__init__.py", "__main__.py"):
+            homes.setdefault(f.name, []).append(module_name(f))
+    twice = {name: where for name, where in homes.items() if len(where) > 1}
+    assert not twice, f"rename one of each (a module name says its concept): {twice}"
+
+
 def test_the_log_format_has_one_home_both_sides_use():
     """The kit's PP log format is defined once, beside its reader (labkit.logs.parse): the launcher
     sets it for a job's ranks and a live rank formats its cell's log with it, and what it writes

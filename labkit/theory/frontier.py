@@ -14,7 +14,7 @@ sends and receives): orders that split each backward into I and W, or cut the mo
 many stages, run more actions and pay it more often. DualPipeV mixes fused and split backwards; its
 fused B is charged twice (`Cost` keeps B = I + W). `fit_per_action` reads that cost off measured steps;
 `v_claims` holds the V search to V-Half's and V-Min's claims at 1/2 and 1/3 of 1F1B's memory, under
-each memory count. Drawn by `labkit.timeline.frontier.plot_frontier`; taught in notebook 13.
+each memory count. Drawn by `labkit.timeline.frontier_plot.plot_frontier`; taught in notebook 13.
 """
 
 from __future__ import annotations

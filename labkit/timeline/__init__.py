@@ -11,6 +11,6 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
                  "order_ideal"),
     ".plot": ("plot_bubble_sweep", "plot_idle_causes", "plot_memory", "plot_pipelines", "plot_side_by_side",
               "plot_step_times", "plot_timeline"),
-    ".frontier": ("plot_frontier",),
+    ".frontier_plot": ("plot_frontier",),
     ".perfetto": ("write_chrome_trace",),
 })
