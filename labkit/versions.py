@@ -62,6 +62,7 @@ RANGES = {r.name: r for r in (
     Range("numpy", None, "2.5", "the kit"),
     Range("matplotlib", None, "3.11", "every plot"),
     Range("psutil", None, "7.2", "the launcher"),
+    Range("tqdm", None, "4.70", "the progress bars"),
     Range("jupyterlab", None, "4.6", "the lab"),
     Range("ipywidgets", None, "8.1", "the explorers"),
     Range("ipykernel", None, "7.4", "the lab"),
