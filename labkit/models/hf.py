@@ -178,7 +178,7 @@ def _set(root: nn.Module, dotted: str, value) -> None:
     parent, _, leaf = dotted.rpartition(".")
     mod = root.get_submodule(parent) if parent else root
     if isinstance(value, nn.Parameter):
-        mod._parameters[leaf] = value
+        mod.register_parameter(leaf, value)
     else:
         mod.add_module(leaf, value)
 
@@ -199,15 +199,15 @@ class HFStage(nn.Module):
             parts = path.split(".")
             parent = self
             for p in parts[:-1]:
-                if p not in parent._modules:
+                if p not in dict(parent.named_children()):
                     parent.add_module(p, nn.Module())
-                parent = parent._modules[p]
+                parent = parent.get_submodule(p)
             parent.add_module(parts[-1], model.get_submodule(path))
         self.block_ids = list(range(bounds[stage], bounds[stage + 1]))
 
     def blocks(self):
         holder = self.get_submodule(BLOCKS[self.family])
-        return [(i, holder._modules[str(i)]) for i in self.block_ids]
+        return [(i, holder.get_submodule(str(i))) for i in self.block_ids]
 
     def forward(self, x, attention_mask=None, position_ids=None):
         from transformers import masking_utils as mu
@@ -307,7 +307,7 @@ def drop_unused_parameters(gm: nn.Module) -> list[str]:
     dropped = [n for n, _ in gm.named_parameters(remove_duplicate=False) if n not in used]
     for n in dropped:
         parent, _, leaf = n.rpartition(".")
-        del (gm.get_submodule(parent) if parent else gm)._parameters[leaf]
+        delattr(gm.get_submodule(parent) if parent else gm, leaf)   # nn.Module drops the parameter
     return dropped
 
 
