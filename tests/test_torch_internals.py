@@ -71,6 +71,19 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
     assert not any("float32" in u or "_stages" in u for u in uses)
 
 
+MODULE_INTERNALS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_backward_hooks", "_state_dict_hooks")
+
+
+def test_no_module_reaches_into_nn_modules_private_dicts():
+    """nn.Module's own dicts (`_parameters`, `_modules`...) are torch's internals too: the kit goes
+    through register_parameter, named_children, get_submodule, delattr (models/hf.py did not)."""
+    wrong = [f"{f.relative_to(PKG.parent)}:{node.lineno} {ast.unparse(node)}"
+             for f in sorted(PKG.rglob("*.py")) if f != HOME
+             for node in ast.walk(ast.parse(f.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in MODULE_INTERNALS]
+    assert not wrong, "use nn.Module's public methods (or a named function in labkit/versions.py):\n" + "\n".join(wrong)
+
+
 def test_no_module_but_the_home_probes_a_torch_module_for_what_it_has():
     """`hasattr` / `getattr` on a torch module (a feature probe) goes through labkit.versions (`has`,
     `schedule_class`, ...). `getattr(torch, "bfloat16")`, a dtype by name, is not a probe."""
