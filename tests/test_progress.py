@@ -1,5 +1,5 @@
 """The kit's progress bar, drawn by tqdm.auto: the same text on a terminal as the kit's own bar drew
-(`ProgressState.text`), tqdm's widget in Jupyter with the kit's colours and the one-line text a saved
+(`<title> [####----] 2/3 running 1.2s`), tqdm's widget in Jupyter with the kit's colours and the one-line text a saved
 notebook or handout shows (`[progress bar: <title>]`), and the `on_update` callback."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from labkit.core import progress
-from labkit.core.progress import Progress, ProgressState
+from labkit.core.progress import Progress
 
 ELAPSED = re.compile(r" +\d+\.\ds$")
 
@@ -43,12 +43,11 @@ def test_terminal_text_is_the_kits_layout(monkeypatch):
     with Progress("GPipe x2", total=3, on_update=lambda d, t: seen.append((d, t))) as p:
         p.update(1, force=True)
         p.update(2, force=True)
-        expected = ProgressState("GPipe x2", 3, 2, "done").text()
     lines = drawn(buf)
     assert [without_time(x) for x in lines[-3:]] == [
         "GPipe x2 [################--------] 2/3 running", "GPipe x2 [################--------] 2/3 done",
         "GPipe x2 [################--------] 2/3 done"]
-    assert without_time(lines[-1]) == without_time(expected) and ELAPSED.search(lines[-1])
+    assert ELAPSED.search(lines[-1])   # the seconds, as `  1.2s`
     assert "GPipe x2 [########----------------] 1/3 running" in map(without_time, lines)
     assert buf.getvalue().endswith("\n") and seen == [(1, 3), (2, 3)]
 

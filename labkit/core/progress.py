@@ -3,8 +3,8 @@ on a terminal (none when stderr is not a terminal).
 
 The kit's bar reads the same on both: `<title> [####------] <done>/<total> <status> <seconds>s` (no bar
 and no counts while the total is unknown), ends as `done`/`ok` (green in Jupyter) or how it failed
-(red), and a saved notebook or handout shows it as `[progress bar: <title>]`. Pure bookkeeping lives
-in `ProgressState` (tested without a notebook); `Progress` hands it to tqdm to draw.
+(red), and a saved notebook or handout shows it as `[progress bar: <title>]`. `ProgressState` is the
+bookkeeping; `Progress` hands it to tqdm to draw.
 """
 
 from __future__ import annotations
@@ -39,15 +39,6 @@ class ProgressState:
     done: int = 0
     status: str = "running"
     started: float = field(default_factory=time.monotonic)
-
-    def text(self) -> str:
-        """The bar as text, as the terminal shows it."""
-        elapsed = time.monotonic() - self.started
-        if self.total:
-            filled = int(WIDTH * min(self.done, self.total) / self.total)
-            bar = ASCII[1] * filled + ASCII[0] * (WIDTH - filled)
-            return f"{self.title} [{bar}] {self.done}/{self.total} {self.status} {elapsed:5.1f}s"
-        return f"{self.title} {self.status} {elapsed:5.1f}s"
 
 
 def bar_class():
