@@ -144,14 +144,17 @@ def pytest_command(venv_dir: Path, paths, argv: list[str], workers: int, serial:
     return [*cmd, "-m", "not serial", *argv]
 
 
+def runs_alone(path: Path) -> bool:
+    """Whether the notebook at `path` says `labkit.alone` in its metadata (it compares a quiet machine
+    with a busy one): tests/conftest.py marks its cells `serial`, so it runs in the serial pass, alone."""
+    if path.suffix != ".ipynb" or not path.exists():
+        return False
+    return bool(json.loads(path.read_text()).get("metadata", {}).get("labkit", {}).get("alone"))
+
+
 def alone_notebooks() -> list[str]:
-    """The notebooks whose metadata says `labkit.alone` (they compare a quiet machine with a busy one):
-    tests/conftest.py marks their cells `serial`, so they run in the serial pass, alone."""
-    found = []
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        if json.loads(path.read_text()).get("metadata", {}).get("labkit", {}).get("alone"):
-            found.append(str(path.relative_to(ROOT)))
-    return found
+    """The notebooks that run alone (`runs_alone`), as paths from the repository's root."""
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "notebooks").glob("*.ipynb")) if runs_alone(p)]
 
 
 ARTIFACTS = ROOT / "test-artifacts"  # logs of a test run (git-ignored)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import re
 import sys
@@ -146,16 +146,14 @@ def pytest_xdist_make_scheduler(config, log):
     return Units(config, log)
 
 
-_alone: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def runs_alone(path: Path) -> bool:
-    """Whether the notebook at `path` must run alone, in the serial pass (its metadata's
-    `labkit.alone` says why: it compares a quiet machine with a busy one)."""
-    if path not in _alone:
-        meta = json.loads(path.read_text()).get("metadata", {}) if path.suffix == ".ipynb" and path.exists() else {}
-        _alone[path] = bool(meta.get("labkit", {}).get("alone"))
-    return _alone[path]
+    """Whether the notebook at `path` runs alone, in the serial pass (scripts/dev.py reads its metadata)."""
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    from dev import runs_alone as says_alone
+
+    return says_alone(path)
 
 
 @pytest.hookimpl(tryfirst=True)
