@@ -108,3 +108,50 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     assert "parameter names collide across stages: 2 names are claimed by more than one stage (stages 0 and 1)" in msg
     assert "'0.bias', '0.weight'" in msg and "renumbered 0..k" in msg and "tolerance" not in msg
     assert right.ok and right.failure is None
+
+
+def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatch):
+    """`traces_shared` (a suite job, live ranks): one torch.export trace per model, weights, microbatch,
+    cut and autocast; every caller gets a whole copy; nothing is kept outside the block."""
+    import torch.distributed.pipelining as pp
+
+    from labkit.worker import stages
+    from labkit.worker.noise import autocast_ctx
+
+    traced = []
+    real = pp.pipeline
+
+    def counting(*a, **k):
+        traced.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pp, "pipeline", counting)
+    gpipe, ofob = RunConfig(schedule="GPipe", split="tracer", preset="tiny"), RunConfig(schedule="1F1B", split="tracer", preset="tiny")
+    full = build_model(gpipe)
+    x, _ = make_batch(gpipe)
+    mb = x.chunk(gpipe.n_microbatches)[0]
+
+    def params(pipe):
+        return dict(pipe.split_gm.named_parameters())
+
+    with stages.traces_shared():
+        a, b = stages.trace_pipe(gpipe, full, "cpu"), stages.trace_pipe(ofob, full, "cpu")  # same cut: 2 stages
+        assert len(traced) == 1 and a is not b
+        pa, pb = params(a), params(b)
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) and pa[n].data_ptr() != pb[n].data_ptr() for n in pa)
+        with torch.no_grad():
+            next(iter(pa.values())).add_(1.0)  # a copy's training does not reach the next copy
+        c = stages.trace_pipe(gpipe, full, "cpu")
+        assert len(traced) == 1 and all(torch.equal(params(c)[n], pb[n]) for n in pb)
+        assert torch.allclose(c.split_gm(mb)[0], full(mb), atol=1e-6)  # the copy computes the model
+        stages.trace_pipe(RunConfig(schedule="Interleaved1F1B", split="tracer", preset="tiny"), full, "cpu")
+        assert len(traced) == 2  # another cut: 4 stages
+        with autocast_ctx("cpu", torch.bfloat16):  # an autocast trace records its casts: its own trace
+            stages.trace_pipe(gpipe, full, "cpu")
+        assert len(traced) == 3
+        with torch.no_grad():
+            full.output.weight.mul_(2.0)  # other weights: traced again
+        stages.trace_pipe(gpipe, full, "cpu")
+        assert len(traced) == 4
+    stages.trace_pipe(gpipe, full, "cpu")  # after the block: a trace of its own
+    assert len(traced) == 5 and stages._TRACES is None
