@@ -31,6 +31,7 @@ from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
 from ..worker.noise import autocast_ctx
 from ..worker.reference import check_step
+from ..worker.stages import traces_shared
 from .steps import BenchOptions, StepPlan, run_steps
 
 
@@ -109,7 +110,6 @@ def run_items(items: list[dict], d, a: argparse.Namespace | None = None) -> list
     Each run writes its config.json, result.json (rank 0) and spans into its own directory.
     Returns each item's exit code (0 ok, 3 the check failed, 2 a split this model cannot take)."""
     from ..spans.record import recorder
-    from ..worker.stages import traces_shared
 
     # the spans recorder is installed when torch's pipelining is first imported (labkit/spans/boot):
     # import it now, so that the FIRST config's spans go to its own directory too, not the job's
@@ -117,21 +117,15 @@ def run_items(items: list[dict], d, a: argparse.Namespace | None = None) -> list
     codes = []
     with traces_shared():  # configs that trace the same model and cut share one trace (copied)
         for it in items:
-            codes.append(_run_item(it, d, a, recorder()))
+            cfg = RunConfig.from_dict(it["config"])
+            (out := Path(it["out"])).mkdir(parents=True, exist_ok=True)
+            cfg.to_json(out / "config.json")
+            if (rec := recorder()) is not None:
+                rec.use_file(out / "spans" / f"rank{d.rank}.jsonl")
+            args = parse_args(list(it.get("job_args", []))) if "job_args" in it or a is None else a
+            codes.append(run_config(cfg, d, out, args))
             dist.barrier()
     return codes
-
-
-def _run_item(it: dict, d, a, rec) -> int:
-    """One item of `run_items`: its run directory, config.json, spans file, and the run's exit code."""
-    cfg = RunConfig.from_dict(it["config"])
-    out = Path(it["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.to_json(out / "config.json")
-    if rec is not None:
-        rec.use_file(out / "spans" / f"rank{d.rank}.jsonl")
-    args = parse_args(list(it.get("job_args", []))) if "job_args" in it or a is None else a
-    return run_config(cfg, d, out, args)
 
 
 def run_here(items: list[dict]) -> list[int]:

@@ -120,7 +120,8 @@ def _trace_key(full: nn.Module, example: torch.Tensor, split_spec: dict, device)
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return (type(full).__module__, type(full).__qualname__, repr(full), h.hexdigest(), tuple(example.shape),
-            str(example.dtype), tuple(sorted(split_spec)), str(device), torch.is_grad_enabled(), _autocast_state(device))
+            str(example.dtype), tuple(sorted(split_spec)), str(device), torch.is_grad_enabled(),
+            _autocast_state(device))
 
 
 def _autocast_state(device) -> tuple:
