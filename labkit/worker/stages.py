@@ -81,14 +81,16 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     bounds = cfg.layer_bounds()
     split_spec = {f"layers.{b}": SplitPoint.BEGINNING for b in bounds[1:-1]}
     example = stage_input_example(cfg, 0, device)
-    key = None if _TRACES is None else _trace_key(full, example, split_spec, device)
-    if key is not None and key in _TRACES:
-        return copy.deepcopy(_TRACES[key])
-    pipe = pipeline(copy.deepcopy(full).to(device), mb_args=(example,), split_spec=split_spec)
-    if key is None:
-        return pipe
-    _TRACES[key] = pipe  # kept untouched: every user, the first too, builds its stages from a copy
-    return copy.deepcopy(pipe)
+
+    def trace():
+        return pipeline(copy.deepcopy(full).to(device), mb_args=(example,), split_spec=split_spec)
+
+    if _TRACES is None:
+        return trace()
+    key = _trace_key(full, example, split_spec, device)
+    if key not in _TRACES:
+        _TRACES[key] = trace()  # kept untouched: every user, the first too, builds its stages from a copy
+    return copy.deepcopy(_TRACES[key])
 
 
 _TRACES: dict | None = None  # {trace key: Pipe} while traces_shared() is open
