@@ -111,11 +111,11 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
 
 
 def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatch):
-    """`traces_shared` (a suite job, live ranks): one torch.export trace per model, weights, microbatch,
+    """`shared_work` (a suite job, live ranks): one torch.export trace per model, weights, microbatch,
     cut and autocast; every caller gets a whole copy; nothing is kept outside the block."""
     import torch.distributed.pipelining as pp
 
-    from labkit.worker import stages
+    from labkit.worker import shared, stages
     from labkit.worker.noise import autocast_ctx
 
     traced = []
@@ -134,7 +134,7 @@ def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatc
     def params(pipe):
         return dict(pipe.split_gm.named_parameters())
 
-    with stages.traces_shared():
+    with shared.shared_work():
         a, b = stages.trace_pipe(gpipe, full, "cpu"), stages.trace_pipe(ofob, full, "cpu")  # same cut: 2 stages
         assert len(traced) == 1 and a is not b
         pa, pb = params(a), params(b)
@@ -153,5 +153,60 @@ def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatc
             full.output.weight.mul_(2.0)  # other weights: traced again
         stages.trace_pipe(gpipe, full, "cpu")
         assert len(traced) == 4
+        handle = full.layers["0"].register_forward_hook(lambda *a: None)  # a hook is not in the key: never shared
+        stages.trace_pipe(gpipe, full, "cpu")
+        stages.trace_pipe(gpipe, full, "cpu")
+        assert len(traced) == 6
+        handle.remove()
     stages.trace_pipe(gpipe, full, "cpu")  # after the block: a trace of its own
-    assert len(traced) == 5 and stages._TRACES is None
+    assert len(traced) == 7 and not shared.is_shared()
+
+
+def test_configs_run_in_turn_share_the_references_and_each_gets_its_own_verdict(monkeypatch):
+    """`shared_work`: check_step computes the unsplit model's three references (whole batch,
+    microbatched, float64) once per model, weights, batch, microbatch count, loss and autocast; a
+    step that differs still fails with its own figures; nothing is kept outside the block."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from labkit.worker import reference, shared
+    from labkit.worker.noise import autocast_ctx
+
+    made = []
+    real = reference._references
+    monkeypatch.setattr(reference, "_references", lambda c: made.append(1) or real(c))
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    mse = nn.functional.mse_loss
+
+    def step(model, n=2, scale=1.0, autocast=None):  # the step run whole on one rank (3 stages), grads kept
+        model.zero_grad(set_to_none=True)
+        with autocast_ctx("cpu", autocast):
+            losses = [mse(o, t) for o, t in zip(model(x).chunk(n), y.chunk(n))]
+        (scale * torch.stack(losses).mean()).backward()
+        stages = [SimpleNamespace(submod=model[i], stage_index=i, is_last=(i == 2), device=torch.device("cpu"))
+                  for i in range(3)]
+        return reference.check_step(model, stages, x, y, losses, n, mse, prefix_stage_index=True, autocast=autocast)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with shared.shared_work():
+            first, again = step(full), step(full)
+            assert first.ok and again.ok and len(made) == 1
+            assert [f.as_dict() for f in first.figures] == [f.as_dict() for f in again.figures]
+            wrong = step(full, scale=1.5)  # a bug on the same model and batch: the shared references catch it
+            assert not wrong.ok and len(made) == 1 and "grad" in wrong.failure
+            assert step(full, n=4).ok and len(made) == 2  # another microbatch count: its own references
+            assert step(full, autocast=torch.bfloat16).ok and len(made) == 3  # autocast: its own
+            with torch.no_grad():
+                full[0].weight.mul_(0.5)  # other weights: computed again, and the step still matches them
+            assert step(full).ok and len(made) == 4
+            handle = full[1].register_forward_hook(lambda *a: None)
+            assert step(full).ok and step(full).ok and len(made) == 6  # a hook is not in the key: never shared
+            handle.remove()
+        assert step(full).ok and len(made) == 7 and not shared.is_shared()  # after the block: its own
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,7 @@ from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
 from ..worker.noise import autocast_ctx
 from ..worker.reference import check_step
-from ..worker.stages import traces_shared
+from ..worker.shared import shared_work
 from .steps import BenchOptions, StepPlan, run_steps
 
 
@@ -115,7 +115,7 @@ def run_items(items: list[dict], d, a: argparse.Namespace | None = None) -> list
     # import it now, so that the FIRST config's spans go to its own directory too, not the job's
     import torch.distributed.pipelining  # noqa: F401
     codes = []
-    with traces_shared():  # configs that trace the same model and cut share one trace (copied)
+    with shared_work():  # what configs of the same model, batch and cut compute alike: once (traces, references)
         for it in items:
             cfg = RunConfig.from_dict(it["config"])
             (out := Path(it["out"])).mkdir(parents=True, exist_ok=True)

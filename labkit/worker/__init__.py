@@ -1,5 +1,6 @@
 """What runs inside a rank: process-group set-up and results (`distributed`), the tutorial model's
-stages (`stages`), the whole-batch reference check (`reference`), memory measurement (`memory`).
+stages (`stages`), the whole-batch reference check (`reference`), memory measurement (`memory`), work shared
+by the configs of one batch (`shared`).
 
 May import: labkit.core, labkit.versions, labkit.schedules, labkit.theory, labkit.config, labkit.spans
 (recording). Never the launcher's side (labkit.launching)."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
+from .shared import digest, is_shared, memo, module_key
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy, summary, where
 
 
@@ -277,11 +278,7 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
     """This rank's gradients, losses or output against the references (whole batch, microbatched,
     float64). Returns its findings, the whole-batch reference, and why there is no float64 truth."""
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in c.losses] if c.has_last else []
-    args = (c.full, c.x, c.y, c.n_microbatches, c.loss_fn, c.device, c.chunk_dim, c.kwargs, c.clip_grad_norm,
-            c.autocast)
-    ref, probe = whole_batch_reference(*args), microbatched_reference(*args)
-    why: list[str] = []
-    truth = float64_reference(*args[:-1], why)
+    ref, probe, truth, why = memo(_references_key(c), lambda: _references(c))
     last_stage = max((int(s.stage_index) for s in c.stages if s.is_last), default=None)
     found = _Findings(mine)
     if c.loss_fn is None:
@@ -297,6 +294,25 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
         found.ldiff = _compare_losses(mine, (ref, probe, truth), last_stage, c.full, found.figures)
     return found, ref, why
 
+
+def _references(c: _Call) -> tuple[Reference, Reference, Reference | None, list[str]]:
+    """The unsplit model's whole-batch, microbatched and float64 references for this call, and why
+    there is no float64 one (the model would not run in float64)."""
+    args = (c.full, c.x, c.y, c.n_microbatches, c.loss_fn, c.device, c.chunk_dim, c.kwargs, c.clip_grad_norm,
+            c.autocast)
+    why: list[str] = []
+    return whole_batch_reference(*args), microbatched_reference(*args), float64_reference(*args[:-1], why), why
+
+
+def _references_key(c: _Call) -> tuple | None:
+    """What the references depend on (labkit.worker.shared): the unsplit model, the whole batch, the
+    microbatch count, the loss, the device, the cut's dim, clipping, autocast. None: not shared (a
+    model with hooks, or no shared_work() block open: then nothing is hashed)."""
+    model = module_key(c.full) if is_shared() else None
+    if model is None:
+        return None
+    return ("references", model, digest(c.x, c.y, c.kwargs or {}), c.n_microbatches, c.loss_fn, str(c.device),
+            c.chunk_dim, c.clip_grad_norm, str(c.autocast), torch.is_grad_enabled())
 
 def _compare_losses(mine: list[float], refs: tuple, last_stage, full: nn.Module, figures: list) -> float:
     """The pipelined losses against the references' (a figure each, appended to `figures`); the
@@ -336,7 +352,7 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     within = all(f.ratio <= NOISE_MULTIPLE for f in figures) and diff != float("inf")
     ok = bool(complete and not no_grad and (within if c.tolerance is None else diff <= c.tolerance))
     notes = _notes(c, ok, figures, dropped, why)
-    return Check(ok, diff, compared, expected, pipelined, ref.losses, ldiff, gmax, odiff, c.tolerance,
+    return Check(ok, diff, compared, expected, pipelined, list(ref.losses), ldiff, gmax, odiff, c.tolerance,
                  [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=c.autocast),
                  no_grad, notes)
 

@@ -11,15 +11,14 @@ one work-around for it first (`labkit.versions.apply_workarounds`), for manual a
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
 
 import torch
 import torch.nn as nn
 
 from ..config.run import RunConfig
 from ..schedules.table import layer_bounds
+from .shared import autocast_state, is_shared, memo, module_key
 
 
 def manual_stage_module(full: nn.Module, stage: int, n_stages: int, bounds: list[int] | None = None) -> nn.Module:
@@ -74,8 +73,9 @@ def build_stages(cfg: RunConfig, full: nn.Module, rank: int, device, group=None)
 
 def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     """`pipeline()` on a copy of the full model, split at the first layer of every stage but the first.
-    Inside `traces_shared()` a trace already made for the same model, weights, microbatch and cut is
-    copied instead of traced again (torch.export: ~5 s of CPU for the tiny preset)."""
+    Inside `shared_work()` (labkit.worker.shared) a trace already made for the same model, weights,
+    microbatch and cut is copied instead of traced again (torch.export: ~5 s of CPU for the tiny preset):
+    every user, the first too, builds its stages from a copy; the trace itself stays untouched."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     bounds = cfg.layer_bounds()
@@ -85,52 +85,20 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     def trace():
         return pipeline(copy.deepcopy(full).to(device), mb_args=(example,), split_spec=split_spec)
 
-    if _TRACES is None:
+    if not is_shared():
         return trace()
-    key = _trace_key(full, example, split_spec, device)
-    if key not in _TRACES:
-        _TRACES[key] = trace()  # kept untouched: every user, the first too, builds its stages from a copy
-    return copy.deepcopy(_TRACES[key])
+    return copy.deepcopy(memo(_trace_key(full, example, split_spec, device), trace))
 
 
-_TRACES: dict | None = None  # {trace key: Pipe} while traces_shared() is open
-
-
-@contextlib.contextmanager
-def traces_shared():
-    """Within the block, `trace_pipe` traces each distinct (model, weights, microbatch, cut, device)
-    once and hands out copies: the configs a suite job or live ranks run one after the other
-    (`labkit.jobs.train.run_items`) differ mostly in schedule and dtype, not in what is traced. Each
-    copy is a whole Pipe with the traced weights, as a fresh trace would give; the traces are dropped
-    when the block ends."""
-    global _TRACES
-    outer = _TRACES
-    _TRACES = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _TRACES = outer
-
-
-def _trace_key(full: nn.Module, example: torch.Tensor, split_spec: dict, device) -> tuple:
-    """What a trace depends on: the model's code and structure, every weight's bytes (dtype included),
+def _trace_key(full: nn.Module, example: torch.Tensor, split_spec: dict, device) -> tuple | None:
+    """What a trace depends on: the model (code, structure, every weight's bytes; None with hooks),
     the example microbatch's shape and dtype, the cut, the device, grad mode and autocast (an autocast
     trace records its casts)."""
-    h = hashlib.sha256()
-    for name, t in (*full.named_parameters(), *full.named_buffers()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return (type(full).__module__, type(full).__qualname__, repr(full), h.hexdigest(), tuple(example.shape),
-            str(example.dtype), tuple(sorted(split_spec)), str(device), torch.is_grad_enabled(),
-            _autocast_state(device))
-
-
-def _autocast_state(device) -> tuple:
-    kind = torch.device(device).type
-    if not torch.is_autocast_enabled(kind):
-        return ()
-    return kind, str(torch.get_autocast_dtype(kind)), torch.is_autocast_cache_enabled()
+    model = module_key(full)
+    if model is None:
+        return None
+    return ("trace", model, tuple(example.shape), str(example.dtype), tuple(sorted(split_spec)), str(device),
+            torch.is_grad_enabled(), autocast_state(device))
 
 
 def make_schedule(info, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
