@@ -17,7 +17,7 @@ import pytest
 
 from conftest import module_pool
 from labkit.spans.idle import CPU_CAUSES, DESCHEDULED, SPAN_CAUSES, explain_idle_spans
-from labkit.spans.read import Span, machine_load, without_descheduling
+from labkit.spans.read import Span, machine_load, makespan_without_load, without_descheduling
 from labkit.core.actions import Action, Timeline
 
 
@@ -53,6 +53,14 @@ def test_the_fit_can_leave_descheduling_out():
     out = without_descheduling(tl)
     assert [a.duration for a in out.actions] == [pytest.approx(0.75), pytest.approx(0.1)]
     assert machine_load([], {}) == {}
+
+
+def test_a_steps_makespan_can_leave_the_machines_load_out():
+    """The makespan less the longest wait for a CPU of one rank in the step; without clocks, the makespan."""
+    acts = [Action(0, 0, 0, "F", 0.0, 1.0), Action(1, 1, 0, "F", 1.2, 2.5)]
+    load = {"0": {"descheduled_in_steps_s": 0.1}, "1": {"descheduled_in_steps_s": 0.3}}
+    assert makespan_without_load(Timeline(acts, source="spans", meta={"machine_load": load})) == pytest.approx(2.2)
+    assert makespan_without_load(Timeline(acts, source="spans")) == pytest.approx(2.5)
 
 
 SETUP = """

@@ -18,6 +18,7 @@ from ..core import exports as _exports
 # the readers import labkit.core.actions and `record` imports torch: `import labkit.spans` stays light for the launcher
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".paths": ("BOOT_DIR", "SPANS_DIR_VAR", "span_files"),
-    ".read": ("Span", "has_spans", "read_spans", "time_by_kind", "timeline_from_spans", "without_descheduling"),
+    ".read": ("Span", "has_spans", "read_spans", "time_by_kind", "timeline_from_spans", "without_descheduling",
+              "makespan_without_load"),
     ".idle": ("DESCHEDULED", "explain_idle_by_pipeline", "explain_idle_spans"),
 })

@@ -19,7 +19,7 @@ from ..core.actions import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
 __all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead",
-           "recorded_pipelines", "machine_load", "without_descheduling"]
+           "recorded_pipelines", "machine_load", "without_descheduling", "makespan_without_load"]
 
 
 class Span(NamedTuple):
@@ -189,6 +189,16 @@ def without_descheduling(tl: Timeline) -> Timeline:
                                        queued.get(_key(a.rank, a.stage, a.kind, a.microbatch, a.start), 0.0)))
             if a.kind in COMPUTE_KINDS else a for a in tl.actions]
     return Timeline(acts, source=tl.source, meta={**tl.meta, "costs_from": "wall time less descheduled time"})
+
+
+def makespan_without_load(tl: Timeline) -> float:
+    """One step's makespan less the longest time one of its ranks waited for a CPU in it (spans with
+    scheduler clocks: `machine_load`'s `descheduled_in_steps_s`; the plain makespan without them):
+    what a busy machine added to that step, taken out, so that steps measured at different moments
+    of a laptop's load compare (notebook 13). A rank that waits for a core delays the ranks after it
+    too, so this is the least that load added."""
+    load = tl.meta.get("machine_load", {})
+    return tl.metrics()["makespan"] - max((r["descheduled_in_steps_s"] for r in load.values()), default=0.0)
 
 
 def timeline_from_spans(path, which: str | int = "all") -> Timeline:
