@@ -302,3 +302,22 @@ def keep_store_on_loopback(handler, make_store) -> bool:
         return False
     handler._create_tcp_store_server = make_store
     return True
+
+
+def has_hooks(model) -> bool:
+    """Whether anything beyond a module's class decides what `model` computes: a forward replaced on
+    a module instance, a module's forward or backward hook, a parameter's gradient hook, or a global
+    module hook (nn.Module's and Tensor's private dicts, torch 2.11 to 2.15). `labkit.worker.shared`
+    shares nothing for such a model: what the hooks do is not in its key."""
+    from torch.nn.modules import module as nn_module
+
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if any(getattr(nn_module, f"_global{n}", None) for n in names):
+        return True
+    for m in model.modules():
+        if "forward" in m.__dict__ or any(getattr(m, n, None) for n in names):
+            return True
+        if any(getattr(p, n, None) for p in m.parameters(recurse=False)
+               for n in ("_backward_hooks", "_post_accumulate_grad_hooks")):
+            return True
+    return False

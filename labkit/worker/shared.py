@@ -76,24 +76,13 @@ def digest(*items) -> str:
 
 def module_key(model: nn.Module) -> tuple | None:
     """What a model computes: its code and structure, train or eval, every weight. None (do not share)
-    when a module or parameter carries a hook, or a module a forward replaced on the instance (a
-    tracker, a user's wrapper), or a global module hook is set: what those do is not in the key."""
-    from torch.nn.modules import module as _m
+    for a model with hooks or a forward replaced on an instance (`labkit.versions.has_hooks`: a
+    tracker, a user's wrapper): what those do is not in the key."""
+    from ..versions import has_hooks
 
-    if any(getattr(_m, g, None) for g in _GLOBAL_HOOKS):
+    if has_hooks(model):
         return None
-    for m in model.modules():
-        if "forward" in m.__dict__ or any(getattr(m, a, None) for a in _MODULE_HOOKS):
-            return None
-        if any(getattr(p, a, None) for p in m.parameters(recurse=False) for a in _TENSOR_HOOKS):
-            return None
     return (type(model).__module__, type(model).__qualname__, repr(model), model.training, digest(model))
-
-
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 
 
 def autocast_state(device) -> tuple:
