@@ -11,7 +11,6 @@ nothing and the test says so and skips."""
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -84,9 +83,11 @@ QUIET = 0.25        # a quiet baseline: descheduled for at most this share of th
 
 
 def _measure(pool, loops: int):
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    busy = [subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+            for _ in range(loops)]
     try:
-        time.sleep(0.3 if busy else 0.0)
+        for p in busy:  # each loop runs before the steps start (a busy machine starts a Python slowly)
+            p.stdout.readline()
         pool.exec("for _ in range(3): _step()")
     finally:
         for p in busy:
