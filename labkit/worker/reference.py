@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
-from .shared import digest, is_shared, memo, module_key
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy, summary, where
+from .shared import digest, is_shared, memo, module_key
 
 
 @dataclass
@@ -313,6 +313,7 @@ def _references_key(c: _Call) -> tuple | None:
         return None
     return ("references", model, digest(c.x, c.y, c.kwargs or {}), c.n_microbatches, c.loss_fn, str(c.device),
             c.chunk_dim, c.clip_grad_norm, str(c.autocast), torch.is_grad_enabled())
+
 
 def _compare_losses(mine: list[float], refs: tuple, last_stage, full: nn.Module, figures: list) -> float:
     """The pipelined losses against the references' (a figure each, appended to `figures`); the

@@ -85,9 +85,8 @@ def trace_pipe(cfg: RunConfig, full: nn.Module, device):
     def trace():
         return pipeline(copy.deepcopy(full).to(device), mb_args=(example,), split_spec=split_spec)
 
-    if not is_shared():
-        return trace()
-    return copy.deepcopy(memo(_trace_key(full, example, split_spec, device), trace))
+    key = _trace_key(full, example, split_spec, device) if is_shared() else None
+    return trace() if key is None else copy.deepcopy(memo(key, trace))
 
 
 def _trace_key(full: nn.Module, example: torch.Tensor, split_spec: dict, device) -> tuple | None:
