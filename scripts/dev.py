@@ -52,9 +52,15 @@ def sh(*cmd, **kw) -> None:
 def setup(venv_dir: Path = VENV, torch_minor: tuple[int, int] = MAIN_TORCH, keep_torch: bool = True) -> str:
     """The environment from the lock of `torch_minor` (scripts/envsetup.py); returns torch's version."""
     torch_spec = os.environ.get("PPLAB_TORCH") if venv_dir == VENV else os.environ.get("PPLAB_OTHER_TORCH")
+    envsetup.check_room([room_of(venv_dir, torch_minor, keep_torch)])
     version = envsetup.setup(venv_dir, lock_path(torch_minor), keep_torch=keep_torch, torch_spec=torch_spec)
     print(f"set-up done: {venv_dir.name} has torch {version}", flush=True)
     return version
+
+
+def room_of(venv_dir: Path, torch_minor: tuple[int, int], keep_torch: bool) -> tuple[Path, str, bool]:
+    """What envsetup.check_room needs to know of one environment to build."""
+    return venv_dir, envsetup.locked_torch(envsetup.read_lock(lock_path(torch_minor))), keep_torch
 
 
 def lab_command(venv_dir: Path) -> list[str]:
@@ -229,7 +235,7 @@ def quick(argv: list[str]) -> int:
     return rc
 
 
-OTHER_VENV = ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"
+OTHER_VENV = Path(os.environ.get("PPLAB_OTHER_VENV", ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"))
 OTHER_SETUP_LOG = ROOT / "test-artifacts" / f"setup-torch{OTHER_END[0]}.{OTHER_END[1]}.log"
 
 
@@ -303,6 +309,8 @@ def test(argv: list[str]) -> int:
         return quick([a for a in argv if a != "--quick"])
     under_load = "--under-load" in argv
     argv = [a for a in argv if a != "--under-load"]
+    if "--one-torch" not in argv:  # room for both environments, before the first one downloads anything
+        envsetup.check_room([room_of(VENV, MAIN_TORCH, True), room_of(OTHER_VENV, OTHER_END, False)])
     main_torch = setup()
     ensure_browser()
     if under_load:  # the load starts after every set-up: installing is not what it tests

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -289,6 +290,93 @@ def newest_allowed_torch(vpy: Path) -> str:
                     "with PPLAB_TORCH='torch==2.11.0'", cmd, e.said) from None
             raise
         return json.loads(report.read_text())["install"][0]["metadata"]["version"]
+
+
+# ------------------------------------------------------------------------------------------ disk room
+GB = 1e9
+# What a built environment takes, measured with du on Linux, where PyPI's torch is a CUDA build:
+# .venv 6.2 GB (torch 2.15: CUDA libraries 3.0, torch 1.2, triton 1.0, the rest 1.0), .venv-torch2.11
+# 5.5 GB; plus the largest wheel (torch's, 0.54 GB) in pip's temporary folder while it installs.
+# Elsewhere (macOS, Windows) torch is a CPU build: about 2 GB in all.
+FULL_BYTES = {"linux": 6.8 * GB}
+OTHER_FULL_BYTES = 2.0 * GB
+REST_BYTES = 1.3 * GB  # everything but torch's own family (JupyterLab, transformers, ortools, the kit)
+TORCH_DIRS = ("torch", "triton", "nvidia")
+
+
+def tree_bytes(path: Path) -> int:
+    """Disk used by the files under `path` (0 if it is not there)."""
+    total, todo = 0, [path]
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(Path(e.path))
+                    else:
+                        total += e.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def site_packages(venv_dir: Path) -> Path | None:
+    found = sorted(venv_dir.glob("lib/python3*/site-packages")) + sorted(venv_dir.glob("Lib/site-packages"))
+    return found[0] if found else None
+
+
+def torch_there(venv_dir: Path) -> str | None:
+    """The torch version installed in the venv, read from its dist-info (no import: this is fast)."""
+    sp = site_packages(venv_dir)
+    infos = sorted(sp.glob("torch-*.dist-info")) if sp else []
+    return infos[0].name[len("torch-"):-len(".dist-info")] if infos else None
+
+
+def room_needed(venv_dir: Path, want: str, keep_torch: bool, platform: str = sys.platform) -> float:
+    """Bytes the set-up of `venv_dir` still needs: the whole environment less what is there, or only
+    the rest (not torch's family) when the torch there is the one that will be kept."""
+    have = torch_there(venv_dir)
+    kept = have is not None and (supported(have) if keep_torch else version_tuple(have) == version_tuple(want))
+    sp = site_packages(venv_dir)
+    there = tree_bytes(venv_dir)
+    if kept:
+        family = sum(tree_bytes(sp / d) for d in TORCH_DIRS) if sp else 0
+        return max(0.0, REST_BYTES - (there - family))
+    return max(0.0, FULL_BYTES.get(platform, OTHER_FULL_BYTES) - there)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_room(envs: list[tuple[Path, str, bool]], free_bytes=None) -> None:
+    """Before anything downloads: fail with one message if the disk cannot hold the environments
+    still to build (`(venv_dir, the lock's torch, keep_torch)` each). A set-up that runs out of room
+    fails minutes later, in the middle of a wheel, and may leave a broken environment behind."""
+    free_of = free_bytes or (lambda p: shutil.disk_usage(p).free)
+    by_disk: dict[int, list[tuple[Path, float]]] = {}
+    for venv_dir, want, keep in envs:
+        where = _existing(venv_dir)
+        by_disk.setdefault(where.stat().st_dev, []).append((venv_dir, room_needed(venv_dir, want, keep)))
+    for items in by_disk.values():
+        need = sum(n for _, n in items)
+        where = _existing(items[0][0])
+        free = free_of(where)
+        if need > free:
+            names = ", ".join(str(v) for v, _ in items)
+            raise SetupError(
+                "check the disk has room",
+                f"free {(need - free) / GB:.1f} GB more on that disk (`df -h {where}`: delete old environments, "
+                "caches or clones), or build the environments on a disk with room: PPLAB_VENV=/big/disk/pplab-venv "
+                "(and PPLAB_OTHER_VENV for the torch 2.11 leg of `dev.py test`, which `--one-torch` skips)",
+                None, f"{names} still need about {need / GB:.1f} GB (torch's wheel on Linux is a CUDA build), "
+                      f"and {free / GB:.1f} GB are free there")
 
 
 # ------------------------------------------------------------------------------------------ set-up

@@ -414,3 +414,54 @@ def test_a_notebook_that_compares_a_quiet_machine_with_a_busy_one_runs_alone():
         assert any(line.startswith(nb + "::Cell") for line in picked), r.stdout[-2000:]
         assert len([line for line in picked if line.startswith(nb)]) > 30   # every cell, not some
     assert all(line.startswith(tuple(alone)) or "test_a_busy_machine" in line for line in picked), picked
+
+
+def _fake_venv(path: Path, torch: str | None, family_bytes: int = 0, rest_bytes: int = 0) -> Path:
+    """A venv-shaped folder: a torch dist-info (if `torch`), files of the given sizes in torch/ and beside."""
+    sp = path / "lib" / "python3.11" / "site-packages"
+    sp.mkdir(parents=True)
+    if torch:
+        (sp / f"torch-{torch}.dist-info").mkdir()
+    (sp / "torch").mkdir()
+    (sp / "torch" / "lib.so").write_bytes(os.urandom(family_bytes))
+    (sp / "rest.py").write_bytes(os.urandom(rest_bytes))
+    return path
+
+
+def test_the_room_an_environment_still_needs(tmp_path):
+    full = envsetup.FULL_BYTES["linux"]
+    assert envsetup.room_needed(tmp_path / "none", "2.15.0", True, "linux") == full
+    assert envsetup.room_needed(tmp_path / "none", "2.15.0", True, "darwin") == envsetup.OTHER_FULL_BYTES
+    half = _fake_venv(tmp_path / "half", None, family_bytes=2_000_000)  # a set-up cut off in torch's family
+    assert full - 2_200_000 < envsetup.room_needed(half, "2.15.0", True, "linux") <= full - 2_000_000
+    kept = _fake_venv(tmp_path / "kept", "2.13.0", family_bytes=3_000_000, rest_bytes=1_000_000)
+    assert envsetup.torch_there(kept) == "2.13.0"
+    # a supported torch is kept (.venv): only the rest is still to come, torch's own bytes do not count
+    assert envsetup.REST_BYTES - 1_100_000 < envsetup.room_needed(kept, "2.15.0", True, "linux") <= envsetup.REST_BYTES - 1_000_000
+    # the floors' environment wants exactly its lock's torch: 2.13.0 is replaced, the whole needed
+    assert envsetup.room_needed(kept, "2.11.0", False, "linux") > full - 4_200_000
+
+
+def test_too_little_room_fails_before_anything_downloads(tmp_path):
+    envs = [(tmp_path / ".venv", "2.15.0", True), (tmp_path / ".venv-torch2.11", "2.11.0", False)]
+    need = sum(envsetup.room_needed(v, w, k) for v, w, k in envs)
+    envsetup.check_room(envs, free_bytes=lambda p: need + 1)  # enough: nothing said
+    with pytest.raises(envsetup.SetupError) as e:
+        envsetup.check_room(envs, free_bytes=lambda p: 5.5e9)
+    text = str(e.value)
+    assert "set-up failed at step 'check the disk has room'" in text
+    assert f"still need about {need / 1e9:.1f} GB" in text and "5.5 GB are free" in text
+    assert f"free {(need - 5.5e9) / 1e9:.1f} GB more" in text and "PPLAB_VENV=" in text and "PPLAB_OTHER_VENV" in text
+    assert str(tmp_path / ".venv-torch2.11") in text
+
+
+def test_dev_py_test_checks_the_room_for_both_environments_first(monkeypatch, capsys, tmp_path):
+    dev = _dev_module()
+    monkeypatch.setattr(dev, "VENV", tmp_path / ".venv")
+    monkeypatch.setattr(dev, "OTHER_VENV", tmp_path / ".venv-torch2.11")
+    monkeypatch.setattr(envsetup.shutil, "disk_usage", lambda p: type("U", (), {"free": int(8e9)})())
+    monkeypatch.setattr(dev, "setup", lambda *a, **k: pytest.fail("set-up started without room"))
+    assert dev.main(["test"]) == 3  # 8 GB hold one environment, not both
+    err = capsys.readouterr().err
+    assert "set-up failed at step 'check the disk has room'" in err and ".venv-torch2.11" in err
+    assert "Traceback" not in err
