@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import venv as venv_mod
 from collections import deque
 from dataclasses import dataclass, field
@@ -443,16 +445,66 @@ def plan_torch(vpy: Path, pins: dict[str, list[Pin]], have: str | None, keep_tor
     return TorchPlan(f"torch: torch=={want} from the lock", [], from_lock=True)
 
 
-def install_one_by_one(vpy: Path, lines: list[str]) -> None:
+def pip_check(vpy: Path) -> None:
+    """`pip check`: every installed package's requirements are met."""
+    cmd = [str(vpy), "-m", "pip", "check", "--disable-pip-version-check"]
+    print("+ " + " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    problems = [line for line in r.stdout.splitlines() if line.strip() and not line.startswith("No broken")]
+    if problems:
+        raise SetupError("check that the installed packages agree (pip check)",
+                         "refresh the locks (`python3 scripts/dev.py lock`) or report it: the lock should pin every "
+                         "package that another one needs", cmd, "\n".join(problems[:5]))
+    print("the installed packages agree (pip check)", flush=True)
+
+
+def install_one_by_one(vpy: Path, lines: list[str], stop: threading.Event | None = None) -> None:
     """The torch family's big pins (torch, triton, the CUDA libraries: ~3 GB of wheels), one pip call
     each: pip downloads every wheel of a call before it installs any, so one call needs the space of
-    all the wheels on top of the installed environment; one at a time needs only the largest."""
+    all the wheels on top of the installed environment; one at a time needs only the largest. Quiet:
+    one line per package (it runs beside the rest's install, whose output is shown); `stop` set: no
+    further package is started."""
     have = _installed_versions(vpy)
     for line in lines:
-        name, version = re.split(r"==", line.split(";")[0].strip(), maxsplit=1)
-        if have.get(norm(name)) == version.strip():
+        name, version = (x.strip() for x in re.split(r"==", line.split(";")[0].strip(), maxsplit=1))
+        if have.get(norm(name)) == version or (stop is not None and stop.is_set()):
             continue
-        run_step(f"install {name.strip()} (the lock's torch family, one at a time)", [*pip(vpy), "--no-deps", line])
+        start = time.monotonic()
+        run_step(f"install {name} (the lock's torch family, one at a time)", [*pip(vpy), "--no-deps", line],
+                 quiet=True)
+        print(f"(torch's family: {name}=={version} installed in {time.monotonic() - start:.0f} s)", flush=True)
+
+
+def install_beside(vpy: Path, big: list[str], rest: list[str], extras: str, lock_name: str) -> None:
+    """The lock's torch family (`big`, one wheel at a time, quiet) in a thread, beside one pip call for
+    everything else and the kit (its output live). Both with `--no-deps`: the lock pins every package
+    (uv's universal resolution), so neither call needs the other's; `pip check` then proves the whole
+    agrees. On 2 cores this takes about 1 min less than one after the other (downloads and unpacking
+    overlap). The first failure is the one raised; the other call stops after its current package."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def family() -> None:
+        try:
+            install_one_by_one(vpy, big, stop)
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread)
+            errors.append(e)
+
+    worker = threading.Thread(target=family, name="torch-family", daemon=True)
+    worker.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            req = Path(tmp) / "requirements.txt"
+            req.write_text("\n".join(rest) + "\n")
+            run_step(f"install the locked packages ({lock_name}) and the kit, beside torch's family",
+                     [*pip(vpy), "--no-deps", "-r", req, "-e", f"{ROOT}[{extras}]"])
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        worker.join()
+    if errors:
+        raise errors[0]
 
 
 def _installed_versions(vpy: Path) -> dict[str, str]:
@@ -487,15 +539,19 @@ def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str |
         run_step("install torch", [*pip(vpy), *plan.install])
     family = torch_family(pins)
     if plan.from_lock:
-        install_one_by_one(vpy, [p.line for name, entries in sorted(pins.items()) for p in entries
-                                 if name in family and (name in ("torch", "triton") or name.startswith("nvidia-"))])
-    rest = [p.line for name, entries in sorted(pins.items()) for p in entries
-            if plan.from_lock or name not in family]
-    with tempfile.TemporaryDirectory() as tmp:
-        req = Path(tmp) / "requirements.txt"
-        req.write_text("\n".join(rest) + "\n")
-        run_step(f"install the locked packages ({lock.name}) and the kit",
-                 [*pip(vpy), "-r", req, "-e", f"{ROOT}[{extras}]"])
+        big = {name for name in family if name in ("torch", "triton") or name.startswith("nvidia-")}
+        install_beside(vpy, [p.line for name, entries in sorted(pins.items()) for p in entries
+                             if name in big],
+                       [p.line for name, entries in sorted(pins.items()) for p in entries if name not in big],
+                       extras, lock.name)
+        pip_check(vpy)  # both calls had --no-deps: prove the whole agrees
+    else:
+        rest = [p.line for name, entries in sorted(pins.items()) for p in entries if name not in family]
+        with tempfile.TemporaryDirectory() as tmp:
+            req = Path(tmp) / "requirements.txt"
+            req.write_text("\n".join(rest) + "\n")
+            run_step(f"install the locked packages ({lock.name}) and the kit",
+                     [*pip(vpy), "-r", req, "-e", f"{ROOT}[{extras}]"])
     write_lab_settings(venv_dir)
     return installed_torch(venv_dir) or "?"
 

@@ -465,3 +465,48 @@ def test_dev_py_test_checks_the_room_for_both_environments_first(monkeypatch, ca
     err = capsys.readouterr().err
     assert "set-up failed at step 'check the disk has room'" in err and ".venv-torch2.11" in err
     assert "Traceback" not in err
+
+
+def test_torch_family_installs_beside_the_rest_and_the_first_failure_is_the_message(monkeypatch, tmp_path):
+    calls, started = [], __import__("threading").Event()
+
+    def fake_run_step(step, cmd, env=None, quiet=False, cwd=None):
+        calls.append((step, quiet))
+        if "-r" in cmd:  # the rest's call: it waits until the family has started beside it
+            assert started.wait(10)
+            if fail == "rest":
+                raise envsetup.SetupError(step, "fix it", cmd, "ERROR: boom")
+        else:
+            started.set()
+            if fail == "family" and "torch==9.9" in cmd:
+                raise envsetup.SetupError(step, "fix it", cmd, "ERROR: No space left on device")
+        return ""
+    monkeypatch.setattr(envsetup, "run_step", fake_run_step)
+    monkeypatch.setattr(envsetup, "_installed_versions", lambda vpy: {"nvidia-b": "2"})
+    big = ["nvidia-a==1 ; sys_platform == 'linux'", "nvidia-b==2", "torch==9.9"]
+    for fail in (None, "family", "rest"):
+        calls.clear()
+        started.clear()
+        if fail is None:
+            envsetup.install_beside(tmp_path / "python", big, ["numpy==2"], "lab", "lab-torch9.9.txt")
+        else:
+            with pytest.raises(envsetup.SetupError) as e:
+                envsetup.install_beside(tmp_path / "python", big, ["numpy==2"], "lab", "lab-torch9.9.txt")
+            assert ("No space" if fail == "family" else "boom") in str(e.value)
+        steps = [s for s, _ in calls]
+        assert "install nvidia-a (the lock's torch family, one at a time)" in steps
+        assert not any("nvidia-b" in s for s in steps)  # installed already: skipped
+        assert all(quiet for s, quiet in calls if "family" in s and "beside" not in s)  # one line each, not pip's output
+        if fail != "rest":
+            assert "install torch (the lock's torch family, one at a time)" in steps
+
+
+def test_pip_check_failing_is_one_message(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'nbval 0.11.0 requires ipykernel, which is not installed.'\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(envsetup.SetupError) as e:
+        envsetup.pip_check(fake)
+    assert "nbval 0.11.0 requires ipykernel" in str(e.value) and "dev.py lock" in str(e.value)
+    fake.write_text("#!/bin/sh\necho 'No broken requirements found.'\n")
+    envsetup.pip_check(fake)
