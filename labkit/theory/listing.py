@@ -28,15 +28,18 @@ def list_schedule(pp_size: int, spr: int, m: int, cost: Cost, limit: float, weig
                    max_deferred: int, f_before_i: bool, extra_warmup: int) -> dict[int, list[PlannedAction]] | None:
     """One pass of the rule; None if it gets stuck."""
     ls = _ListScheduler(pp_size, spr, m, cost, limit, weight_memory, max_deferred, f_before_i, extra_warmup)
+    when = [ls.earliest(k) for k in range(pp_size)]  # each rank's earliest start, kept up to date
     for _ in range(3 * m * ls.n):
-        r = min(range(pp_size), key=lambda k: (ls.earliest(k), k))
-        t = ls.earliest(r)
+        t, r = min((t, k) for k, t in enumerate(when))
         if t == float("inf"):
             return None  # every rank waits for something no rank will run
         cands = ls.candidates(r, t)
         if not cands:
             return None
-        ls.place(r, t, min(cands)[2])
+        action = min(cands)[2]
+        ls.place(r, t, action)
+        for k in ls.touched(r, action):  # only these ranks' earliest start can have moved
+            when[k] = ls.earliest(k)
     return ls.order
 
 
@@ -115,6 +118,18 @@ class _ListScheduler:
                 times.append(self.arrival(("F", s, self.next_f[s]), r))
         known = [x for x in times if x is not None]
         return max(self.free[r], min(known)) if known else float("inf")
+
+    def touched(self, r: int, a: PlannedAction) -> set[int]:
+        """The ranks whose `earliest` placing `a` on rank r can change: r itself (its free time, memory
+        and what it owes) and the rank of the stage that consumes `a`'s output (the next stage's F
+        after an F, the previous stage's I after an I)."""
+        kind, s, _ = a
+        out = {r}
+        if kind == "F" and s + 1 < self.n:
+            out.add(self.rank_of[s + 1])
+        elif kind == "I" and s > 0:
+            out.add(self.rank_of[s - 1])
+        return out
 
     def place(self, r: int, t: float, a: PlannedAction) -> None:
         """Run `a` on rank r from t: its end, the rank's order, memory and what the stage owes."""
