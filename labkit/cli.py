@@ -77,6 +77,9 @@ def _add_common(p) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline for the whole job in seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none); "
                         "on expiry every rank's stack is dumped, then the job is ended")
+    p.add_argument("--stall", type=float, default=None,
+                   help="seconds without a new line from any rank, once every rank has written one, before the "
+                        "job is ended as hung (stacks dumped as at the deadline; default: never)")
     p.add_argument("--stream", default="output", choices=["output", "all", "none"],
                    help="live output: rank output (default), also the pipelining DEBUG lines (all), or none")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -96,7 +99,7 @@ def cmd_run(a) -> int:
     per_node = a.pp_size if a.pp_size is not None else RunConfig.pp_size
     cfg = config_from_flags(a, pp_size=per_node * a.nnodes)  # --nproc is ranks per node
     try:
-        r = run(cfg, out=a.out, timeout=a.timeout, stream=a.stream, progress=not a.quiet, **_nodes(a))
+        r = run(cfg, out=a.out, timeout=a.timeout, stall=a.stall, stream=a.stream, progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit run: {e}", file=sys.stderr)
         return e.run.job_exitcode
@@ -114,8 +117,8 @@ def cmd_launch(a) -> int:
 
     args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
     try:
-        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stream=a.stream, module=a.module,
-                   progress=not a.quiet, **_nodes(a))
+        r = launch(a.script, args, nproc=a.nproc, out=a.out, timeout=a.timeout, stall=a.stall, stream=a.stream,
+                   module=a.module, progress=not a.quiet, **_nodes(a))
     except LaunchError as e:
         print(f"labkit launch: {e}", file=sys.stderr)
         return e.run.job_exitcode

@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, kit_processes, labkit_cli
 
 from labkit.config.presets import PRESETS
+from labkit.core.errors import ConfigError
 from labkit.launching.launch import LaunchError, launch
 
 HELLO = textwrap.dedent("""
@@ -39,7 +40,7 @@ HANG = textwrap.dedent("""
         time.sleep(3600)
 
     dist.init_process_group("gloo")
-    print("started", flush=True)
+    print(f"started at {time.time():.3f}", flush=True)
     if dist.get_rank() == 1:
         wait_forever()          # alive but stuck
     dist.barrier()              # rank 0 waits here for rank 1
@@ -158,6 +159,33 @@ def test_hang_is_ended_at_the_deadline_with_every_stack(write, runs):
     assert "=== rank 0 ===" in stacks and "=== rank 1 ===" in stacks
     assert took < HANG_DEADLINE + 15, took
     print(f"hang ended {took - HANG_DEADLINE:.1f}s after the deadline")
+
+
+STALL = 3
+
+
+@pytest.mark.launches
+def test_a_stall_ends_a_hung_job_soon_after_its_ranks_go_silent(write, runs):
+    """stall= counts the silence after every rank has written a line, not the start-up: the job is
+    ended STALL s after the ranks' last line (plus a poll), long before its 300 s deadline, with
+    every stack, as at a deadline."""
+    with pytest.raises(LaunchError) as e:
+        launch(write(HANG, "hang.py"), nproc=2, runs_root=runs, progress=False, stream="none", timeout=300,
+               stall=STALL)
+    reported = time.time()
+    run, msg = e.value.run, str(e.value)
+    assert run.status == "timeout" and f"No rank wrote a line for {STALL} s (stall=)" in msg, msg
+    assert "Raise stall= (--stall)" in msg and "deadline" not in msg.split("Where")[0]
+    assert re.search(r"rank 1: .*hang\.py:\d+ in wait_forever", msg), msg
+    assert "=== rank 0 ===" in (run.run_dir / "stacks.txt").read_text()
+    last = max(float(re.search(r"started at (\d+\.\d+)", run.log(r, "stdout")).group(1)) for r in (0, 1))
+    assert STALL <= reported - last < STALL + 20, reported - last
+    print(f"stall: ended {reported - last:.1f}s after the ranks' last line")
+
+
+def test_stall_must_be_a_positive_number():
+    with pytest.raises(ConfigError, match="stall must be a positive number of seconds"):
+        launch(__file__, stall=-1)
 
 
 # 3. interrupt (Jupyter's stop button, nbval's cell timeout) -----------------------------------
@@ -285,6 +313,7 @@ BAD_RUNS = [
     (["--schedule", "ZBVZeroBubble", "--inference"], "cannot run forward-only"),
     (["--schedule", "GPipe", "--preset", "huge"], "Choose one of: " + ", ".join(PRESETS)),  # every preset named
     (["--schedule", "GPipe", "--timeout", "-1"], "positive number of seconds"),
+    (["--schedule", "GPipe", "--stall", "-1"], "stall must be a positive number of seconds"),
     (["--schedule", "GPipe", "--nnodes", "2"], "needs --rdzv-endpoint"),
     (["--schedule", "GPipe", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "must be below nnodes"),
     (["--schedule", "GPipe", "--nnodes", "2", "--rdzv-endpoint", "nohostport"], "HOST:PORT"),

@@ -84,6 +84,9 @@ class LaunchSpec:
     env: dict | None = None
     timeout: float | None = DEFAULT_TIMEOUT_S
     """Seconds before the job is ended; None: no deadline (0 becomes None)."""
+    stall: float | None = None
+    """Seconds without a new line from any rank, once every rank has written one, before the job is
+    ended as hung (as at the deadline); None: never (0 becomes None)."""
     stream: str = "output"
     progress: bool = True
     check: bool = True
@@ -104,6 +107,10 @@ class LaunchSpec:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise ConfigError(f"timeout must be a positive number of seconds (0 or None: no deadline), got {t!r}.")
         self.timeout = t or None
+        st = self.stall
+        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or st < 0):
+            raise ConfigError(f"stall must be a positive number of seconds (0 or None: never), got {st!r}.")
+        self.stall = st or None
         validate_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
         if self.stream not in STREAMS:
             raise ConfigError(f"stream must be 'output', 'all' or 'none', got {self.stream!r}.")
@@ -121,13 +128,17 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
            runs_root=None, name: str | None = None, env: dict | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
            stream: str = "output", progress: bool = True, check: bool = True, pp_logs: bool = True,
            nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-           config: dict | None = None, stop_event=None, echo=None, on_progress=None, module: bool = False) -> Run:
+           config: dict | None = None, stop_event=None, echo=None, on_progress=None, module: bool = False,
+           stall: float | None = None) -> Run:
     """Run `script` under torchrun with `nproc` ranks and return a `Run`.
 
     module: `script` names a module (`python -m script`), e.g. "labkit.jobs.train".
     stream: "output" (rank stdout/stderr live, pipelining DEBUG lines only to the files), "all", or "none".
     timeout: seconds before the job is ended (every rank's stack is dumped first into its stderr.log
       and stacks.txt); default $LABKIT_TIMEOUT or 900; 0 or None: no deadline.
+    stall: seconds without a new line from any rank, counted once every rank has written one, before
+      the job is ended as hung, like at the deadline (stacks dumped, status "timeout"). Unlike the
+      deadline it does not count the start-up, which a busy machine makes slow; None: never.
     check: raise `LaunchError` (rank, command, log tail) when the job fails.
     nnodes, node_rank, rdzv_endpoint, rdzv_id: a multi-node job (torchrun's static rendezvous: node_rank
       0 hosts it at rdzv_endpoint and holds global rank 0); run the same call on every node with its own node_rank.
@@ -138,7 +149,8 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     on_progress: called as on_progress(done, total) when the script reports progress.
     """
     spec = LaunchSpec(_check_entry(script, module), [str(a) for a in args], nproc=nproc, module=module, out=out,
-                      runs_root=runs_root, name=name, env=env, timeout=timeout, stream=stream, progress=progress,
+                      runs_root=runs_root, name=name, env=env, timeout=timeout, stall=stall, stream=stream,
+                      progress=progress,
                       check=check, pp_logs=pp_logs, nnodes=nnodes, node_rank=node_rank,
                       rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, config=config, stop_event=stop_event,
                       echo=echo, on_progress=on_progress)
@@ -228,6 +240,12 @@ def _follow(spec: LaunchSpec, run: Run, proc: subprocess.Popen, streamer: Stream
             stop_job(proc, known, dump_stacks=True)
             run.status = "timeout"
             return
+        silent = streamer.silent_for() if spec.stall is not None else None
+        if silent is not None and silent > spec.stall:
+            stop_job(proc, known, dump_stacks=True)
+            run.status = "timeout"
+            run.error = f"No rank wrote a line for {spec.stall:g} s (stall=), after every rank had written one"
+            return
         if spec.stop_event is not None and spec.stop_event.is_set():
             stop_job(proc, known)
             run.status = "interrupted"
@@ -245,10 +263,13 @@ def _conclude(spec: LaunchSpec, run: Run, proc: subprocess.Popen, known: dict, s
         run.status = "ok" if proc.returncode == 0 else "failed"
     if run.status == "timeout":
         where = stack_report(run)
-        run.error = (f"The job did not finish within the {spec.timeout:g} s deadline and was stopped. Where each "
-                     f"rank was (full stacks in stacks.txt and each rank's stderr.log):\n"
+        stalled = run.error is not None  # set by _follow: the stall, not the deadline, ended it
+        head = (f"{run.error}: it was stopped as hung" if stalled
+                else f"The job did not finish within the {spec.timeout:g} s deadline and was stopped")
+        run.error = (f"{head}. Where each rank was (full stacks in stacks.txt and each rank's stderr.log):\n"
                      + "\n".join(f"  rank {r}: {w}" for r, w in where.items())
-                     + "\nRaise the deadline with timeout= (--timeout) if the job is just slow.")
+                     + ("\nRaise stall= (--stall) if the job is just slow between two lines." if stalled else
+                        "\nRaise the deadline with timeout= (--timeout) if the job is just slow."))
     elif run.status == "failed":
         run.failed_rank, reason = first_failure(run)
         run.rank_exitcodes = failed_ranks_from_launcher((run.run_dir / "launcher.log").read_text(errors="replace"))
@@ -286,7 +307,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
         progress: bool = True, timeout: float | None = DEFAULT_TIMEOUT_S, env: dict | None = None,
         nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
         stop_event=None, echo=None, on_progress=None, job_args: list[str] | tuple = (), pp_logs: bool = True,
-        **overrides) -> Run:
+        stall: float | None = None, **overrides) -> Run:
     """Run the reference job (`labkit.jobs.train`) for a config: `labkit.run(schedule="1F1B")`.
 
     Keyword arguments that are RunConfig fields override `cfg` (e.g. `profile=True`). The config
@@ -312,7 +333,7 @@ def run(cfg: RunConfig | None = None, *, out=None, runs_root=None, check: bool =
     name = f"{cfg.schedule}-{cfg.split}-p{cfg.pp_size}-m{cfg.n_microbatches}" + (
         f"-dp{cfg.dp_size}-tp{cfg.tp_size}{'-fsdp' if cfg.fsdp else ''}" if cfg.composed else "")
     r = launch(REFERENCE_JOB, list(job_args), nproc=nproc, out=out, runs_root=runs_root, module=True, pp_logs=pp_logs,
-               name=name, env=env, timeout=timeout, stream=stream, progress=progress, check=False,
+               name=name, env=env, timeout=timeout, stall=stall, stream=stream, progress=progress, check=False,
                config=cfg.to_dict(), nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                rdzv_id=rdzv_id, stop_event=stop_event, echo=echo, on_progress=on_progress)
     if check and not r.ok and r.status != "interrupted":

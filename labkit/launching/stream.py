@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 from ..core.progress import Progress, in_notebook
@@ -30,8 +31,8 @@ def is_pp_log(line: str) -> bool:
 class Tail:
     """Follows one growing file and yields complete new lines."""
 
-    def __init__(self, path: Path, prefix: str):
-        self.path, self.prefix, self.pos, self.buf = path, prefix, 0, b""
+    def __init__(self, path: Path, prefix: str, rank: int | None = None):
+        self.path, self.prefix, self.rank, self.pos, self.buf = path, prefix, rank, 0, b""
         self.in_pp_record = False  # inside a multi-line pipelining log record
 
     def read(self, final: bool = False) -> list[str]:
@@ -58,6 +59,7 @@ class Streamer:
         self.echo = echo or (lambda line: print(line, flush=True))
         self.tails: dict[Path, Tail] = {}
         self.pp_lines = 0
+        self.heard: dict[int, float] = {}  # rank: when its last line was read (monotonic)
 
     def _discover(self) -> None:
         if len(self.tails) >= 2 * self.nproc + (self.stream == "all"):
@@ -69,12 +71,15 @@ class Streamer:
             for s in ("stdout", "stderr"):
                 for f in self.run_dir.glob(f"logs/*/attempt_*/{rank}/{s}.log"):
                     if f not in self.tails:
-                        self.tails[f] = Tail(f, f"[rank{rank}] " if s == "stdout" else f"[rank{rank}:err] ")
+                        self.tails[f] = Tail(f, f"[rank{rank}] " if s == "stdout" else f"[rank{rank}:err] ", rank)
 
     def poll(self, final: bool = False) -> None:
         self._discover()
         for tail in self.tails.values():
-            for line in tail.read(final):
+            lines = tail.read(final)
+            if lines and tail.rank is not None:
+                self.heard[tail.rank] = time.monotonic()
+            for line in lines:
                 m = PROGRESS_RE.search(line)
                 if m and self.progress is not None:
                     self.progress.update(int(m.group(1)), int(m.group(2)))
@@ -90,6 +95,13 @@ class Streamer:
                     self.echo(tail.prefix + line)
         if self.progress is not None:
             self.progress.tick()
+
+    def silent_for(self) -> float | None:
+        """Seconds since any rank last wrote a line (stdout, stderr, pipelining logs); None until every
+        rank has written one (the start-up, importing torch, is not silence)."""
+        if len(self.heard) < self.nproc:
+            return None
+        return time.monotonic() - max(self.heard.values())
 
     def close(self) -> None:
         """The last lines, and a word on the pipelining lines kept out of the output."""

@@ -1,12 +1,12 @@
-"""Notebook 09, gotcha 4: a rank that hangs, and the deadline that ends the job.
+"""Notebook 09, gotcha 5: a rank that hangs, and the stall (or the deadline) that ends the job.
 
-    labkit launch --nproc 2 --timeout 60 notebooks/scripts_09/hang.py
+    labkit launch --nproc 2 --timeout 300 --stall 10 notebooks/scripts_09/hang.py
 
 Rank 1 never reaches the pipeline: it is stuck in `load_next_batch` (think of a data loader that
 waits on a file that never comes). Rank 0 runs `schedule.step` and waits for rank 1 forever; the
-process group's own timeout is 300 s, longer than the launch deadline. When the deadline passes,
+process group's own timeout is 300 s. Both ranks print `ready`, then nothing: 10 s later (`--stall`)
 the kit makes every rank dump its Python stack (faulthandler, SIGABRT) into its stderr.log and
-stacks.txt, then stops the job, and says where each rank was.
+stacks.txt, stops the job and says where each rank was (the deadline, `--timeout`, would at 300 s).
 """
 
 from __future__ import annotations
