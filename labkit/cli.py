@@ -78,7 +78,7 @@ def _add_common(p) -> None:
                    help=f"deadline for the whole job in seconds (default {DEFAULT_TIMEOUT_S:g}; 0: none); "
                         "on expiry every rank's stack is dumped, then the job is ended")
     p.add_argument("--stall", type=float, default=None,
-                   help="seconds without a new line from any rank, once every rank has written one, before the "
+                   help="seconds without new output from any rank, once every rank has written some, before the "
                         "job is ended as hung (stacks dumped as at the deadline; default: never)")
     p.add_argument("--stream", default="output", choices=["output", "all", "none"],
                    help="live output: rank output (default), also the pipelining DEBUG lines (all), or none")

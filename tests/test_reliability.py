@@ -174,13 +174,38 @@ def test_a_stall_ends_a_hung_job_soon_after_its_ranks_go_silent(write, runs):
                stall=STALL)
     reported = time.time()
     run, msg = e.value.run, str(e.value)
-    assert run.status == "timeout" and f"No rank wrote a line for {STALL} s (stall=)" in msg, msg
+    assert run.status == "timeout" and f"No rank wrote anything for {STALL} s (stall=)" in msg, msg
     assert "Raise stall= (--stall)" in msg and "deadline" not in msg.split("Where")[0]
     assert re.search(r"rank 1: .*hang\.py:\d+ in wait_forever", msg), msg
     assert "=== rank 0 ===" in (run.run_dir / "stacks.txt").read_text()
     last = max(float(re.search(r"started at (\d+\.\d+)", run.log(r, "stdout")).group(1)) for r in (0, 1))
     assert STALL <= reported - last < STALL + 20, reported - last
     print(f"stall: ended {reported - last:.1f}s after the ranks' last line")
+
+
+def test_silence_counts_only_once_every_rank_has_written(tmp_path):
+    from labkit.launching.stream import Streamer
+
+    logs = [tmp_path / f"logs/x/attempt_0/{r}/stdout.log" for r in (0, 1)]
+    for f in logs:
+        f.parent.mkdir(parents=True)
+        f.write_text("")
+    st = Streamer(tmp_path, 2, "none", None)
+    st.poll()
+    assert st.silent_for() is None  # nobody has written: the start-up, never silence
+    logs[0].write_text("rank 0 ready\n")
+    st.poll()
+    assert st.silent_for() is None  # rank 1 still starting
+    with open(logs[1], "a") as f:
+        f.write("progress 1/4\r")  # part of a line counts too (a progress bar)
+    st.poll()
+    time.sleep(0.2)
+    st.poll()
+    assert 0.15 < st.silent_for() < 5
+    with open(logs[0], "a") as f:
+        f.write("step 2\n")
+    st.poll()
+    assert st.silent_for() < 0.15
 
 
 def test_stall_must_be_a_positive_number():

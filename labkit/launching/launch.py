@@ -85,7 +85,7 @@ class LaunchSpec:
     timeout: float | None = DEFAULT_TIMEOUT_S
     """Seconds before the job is ended; None: no deadline (0 becomes None)."""
     stall: float | None = None
-    """Seconds without a new line from any rank, once every rank has written one, before the job is
+    """Seconds without new output from any rank, once every rank has written some, before the job is
     ended as hung (as at the deadline); None: never (0 becomes None)."""
     stream: str = "output"
     progress: bool = True
@@ -136,7 +136,7 @@ def launch(script: str | os.PathLike, args: list[str] | tuple = (), *, nproc: in
     stream: "output" (rank stdout/stderr live, pipelining DEBUG lines only to the files), "all", or "none".
     timeout: seconds before the job is ended (every rank's stack is dumped first into its stderr.log
       and stacks.txt); default $LABKIT_TIMEOUT or 900; 0 or None: no deadline.
-    stall: seconds without a new line from any rank, counted once every rank has written one, before
+    stall: seconds without new output from any rank, counted once every rank has written some, before
       the job is ended as hung, like at the deadline (stacks dumped, status "timeout"). Unlike the
       deadline it does not count the start-up, which a busy machine makes slow; None: never.
     check: raise `LaunchError` (rank, command, log tail) when the job fails.
@@ -244,7 +244,8 @@ def _follow(spec: LaunchSpec, run: Run, proc: subprocess.Popen, streamer: Stream
         if silent is not None and silent > spec.stall:
             stop_job(proc, known, dump_stacks=True)
             run.status = "timeout"
-            run.error = f"No rank wrote a line for {spec.stall:g} s (stall=), after every rank had written one"
+            run.error = (f"No rank wrote anything for {spec.stall:g} s (stall=), after every rank had written "
+                         "something")
             return
         if spec.stop_event is not None and spec.stop_event.is_set():
             stop_job(proc, known)
@@ -268,8 +269,8 @@ def _conclude(spec: LaunchSpec, run: Run, proc: subprocess.Popen, known: dict, s
                 else f"The job did not finish within the {spec.timeout:g} s deadline and was stopped")
         run.error = (f"{head}. Where each rank was (full stacks in stacks.txt and each rank's stderr.log):\n"
                      + "\n".join(f"  rank {r}: {w}" for r, w in where.items())
-                     + ("\nRaise stall= (--stall) if the job is just slow between two lines." if stalled else
-                        "\nRaise the deadline with timeout= (--timeout) if the job is just slow."))
+                     + ("\nRaise stall= (--stall) if the job just works a long time between two outputs."
+                        if stalled else "\nRaise the deadline with timeout= (--timeout) if the job is just slow."))
     elif run.status == "failed":
         run.failed_rank, reason = first_failure(run)
         run.rank_exitcodes = failed_ranks_from_launcher((run.run_dir / "launcher.log").read_text(errors="replace"))

@@ -59,7 +59,7 @@ class Streamer:
         self.echo = echo or (lambda line: print(line, flush=True))
         self.tails: dict[Path, Tail] = {}
         self.pp_lines = 0
-        self.heard: dict[int, float] = {}  # rank: when its last line was read (monotonic)
+        self.heard: dict[int, float] = {}  # rank: when its last output was read (monotonic)
 
     def _discover(self) -> None:
         if len(self.tails) >= 2 * self.nproc + (self.stream == "all"):
@@ -76,8 +76,9 @@ class Streamer:
     def poll(self, final: bool = False) -> None:
         self._discover()
         for tail in self.tails.values():
+            before = tail.pos
             lines = tail.read(final)
-            if lines and tail.rank is not None:
+            if tail.pos != before and tail.rank is not None:  # any new output, a line or part of one
                 self.heard[tail.rank] = time.monotonic()
             for line in lines:
                 m = PROGRESS_RE.search(line)
@@ -97,8 +98,8 @@ class Streamer:
             self.progress.tick()
 
     def silent_for(self) -> float | None:
-        """Seconds since any rank last wrote a line (stdout, stderr, pipelining logs); None until every
-        rank has written one (the start-up, importing torch, is not silence)."""
+        """Seconds since any rank last wrote anything (stdout, stderr, pipelining logs); None until every
+        rank has written something (the start-up, importing torch, is not silence)."""
         if len(self.heard) < self.nproc:
             return None
         return time.monotonic() - max(self.heard.values())
