@@ -5,8 +5,8 @@ Stated bound: with one busy loop per core beside a 2-rank 1F1B step, the ranks' 
 (run-queue time between and inside actions; medians of three alternating rounds) exceeds the same
 step's without them by at least 2 points. Measured here (2 cores, torch 2.15, load average ~1):
 3-16% without, 19-32% with. Without a quiet baseline (the step descheduled for over 25% without the
-loops, or a load average over 2 per core + 2: other work on the machine) the comparison means
-nothing and the test says so and skips."""
+loops, more runnable threads at the steps' ends than cores + 1, or a load average over 2 per core + 2:
+other work on the machine) the comparison means nothing and the test says so and skips."""
 
 import os
 import subprocess
@@ -111,9 +111,17 @@ def test_a_busy_machine_shows_as_descheduled_time(pool):
     q = statistics.median(r[0][0].descheduled() for r in rounds)
     b = statistics.median(r[1][0].descheduled() for r in rounds)
     others = statistics.median(max(v["load1"] for v in r[0][0].load.values()) for r in rounds)
-    if others > 2 * cores + 2 or q > QUIET:  # more than the ranks and one busy loop per core (--under-load)
+    # the runnable threads at the quiet steps' ends, the ranks' own included: 2 on an idle 2-core machine,
+    # 4-5 beside one busy process per core (--under-load), where a woken rank still gets a core first and
+    # more loops barely move its share (0.21 quiet, 0.207 beside them, measured)
+    runnable = statistics.median(n for r in rounds for v in r[0][1].meta["machine_load"].values()
+                                 for n in v["runnable"] if n is not None)
+    print(f"quiet steps: descheduled {q:.1%}, load average {others}, {runnable:g} runnable at their ends; "
+          f"beside the loops: descheduled {b:.1%}")
+    if runnable > cores + 1 or others > 2 * cores + 2 or q > QUIET:
         pytest.skip(f"no quiet baseline: without the test's loops the ranks were descheduled for {q:.0%} of the "
-                    f"step (load average {others} on {cores} cores): something else is keeping the machine busy")
+                    f"step (load average {others}, {runnable:g} runnable at the steps' ends, on {cores} cores): "
+                    "something else is keeping the machine busy")
     assert b > q + 0.02, ([r[0][0].descheduled() for r in rounds], [r[1][0].descheduled() for r in rounds])
     assert all(v["runnable"] >= 1 and v["cores"] == os.cpu_count() and 0 < v["share"] <= 1.05
                for v in busy.load.values()), busy.load
