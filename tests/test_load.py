@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import module_pool
-from labkit.spans.idle import CPU_CAUSES, DESCHEDULED, SPAN_CAUSES, explain_idle_by_pipeline, explain_idle_spans
+from labkit.spans.idle import CPU_CAUSES, DESCHEDULED, SPAN_CAUSES, explain_idle_spans
 from labkit.spans.read import Span, machine_load, makespan_without_load, without_descheduling
 from labkit.core.actions import Action, Timeline
 
@@ -97,7 +97,7 @@ def _measure(pool, loops: int):
         for p in busy:
             p.kill()
             p.wait()
-    return explain_idle_by_pipeline(pool.cell_dir(), "all"), pool.timeline()
+    return pool.idle(which="all"), pool.timeline()
 
 
 @pytest.mark.launches

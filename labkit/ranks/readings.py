@@ -48,10 +48,12 @@ class CellReadings:
                              f"call schedule.step()?")
         return tl
 
-    def idle(self, cell: int | None = None):
+    def idle(self, cell: int | None = None, which: str | int = "last"):
         """Where the cell's last step's idle time went, by cause and per gap, from its spans
-        (`labkit.spans.explain_idle_spans`; `.text()` says it in words). When the ranks formed several
-        pipelines (a (pp, dp) mesh): one report per pipeline (`labkit.spans.idle.IdleByPipeline`)."""
+        (`labkit.spans.explain_idle_spans`; `.text()` says it in words). `which="all"` reads every step
+        of the cell as one (steps of a few ms: one timer tick moves a single step's shares by points),
+        "first" or a step index one step. When the ranks formed several pipelines (a (pp, dp) mesh):
+        one report per pipeline (`labkit.spans.idle.IdleByPipeline`)."""
         from ..spans import explain_idle_by_pipeline
 
-        return explain_idle_by_pipeline(self.cell_dir(cell))
+        return explain_idle_by_pipeline(self.cell_dir(cell), which)
