@@ -4,10 +4,11 @@ step's end; labkit.spans.idle: the cause "descheduled: the machine was busy").
 Stated bound: with one busy loop per core beside a 2-rank 1F1B step, the ranks' descheduled share
 (run-queue time between and inside actions, over ten steps; medians of five alternating rounds)
 exceeds the same steps' without them by at least 2 points. Measured here (2 cores, torch 2.15, nothing
-else running), per round of ten steps: 3-16% without, 25-29% with; the last step of three alone, as
-this test read it before, varied 1-23% without (it failed once at 18% against 19%). Without a quiet baseline (the step descheduled for over 25% without the
-loops, more runnable threads at the steps' ends than cores + 1, or a load average over 2 per core + 2:
-other work on the machine) the comparison means nothing and the test says so and skips."""
+else running), per round of ten steps: 5-14% without, 25-30% with; the last step of three alone, as
+this test read it before, varied 1-23% without (it failed once: medians 18% against 19%). Without a
+quiet baseline (the steps descheduled for over 25% without the loops, more runnable threads at the
+steps' ends than cores + 1, or a load average over 2 per core + 2: other work on the machine) the
+comparison means nothing and the test says so and skips."""
 
 import os
 import subprocess
