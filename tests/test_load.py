@@ -82,8 +82,6 @@ def _step():
 pool = module_pool(2, SETUP)
 LOOPS_PER_CORE = 1  # issue 42's "one busy loop per core"
 QUIET = 0.25        # a quiet baseline: descheduled for at most this share of the step without the loops
-
-
 STEPS, ROUNDS = 10, 5  # one step is ~20 ms: a timer tick or a kernel thread moves its share by points
 
 
