@@ -1,6 +1,7 @@
 """What runs inside a rank: process-group set-up and results (`distributed`), the tutorial model's
-stages (`stages`), the whole-batch reference check (`reference`), memory measurement (`memory`), work shared
-by the configs of one batch (`shared`).
+stages (`stages`), the whole-batch reference check (`reference`; `stagewise`: check_stages, for a
+model no rank holds whole; `boundaries`: where a failed check departs), memory measurement
+(`memory`), work shared by the configs of one batch (`shared`).
 
 May import: labkit.core, labkit.versions, labkit.schedules, labkit.theory, labkit.config, labkit.spans
 (recording). Never the launcher's side (labkit.launching)."""
@@ -13,6 +14,8 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".reference": ("float64_reference", "microbatched_reference", "stage_grads", "whole_batch_reference"),
     ".memory": ("SavedTensorTracker", "torch_liveness"),
     ".distributed": ("annotate_stages", "run_dir"),
-    ".noise": ("NOISE_MULTIPLE", "Figure", "figure"),
+    ".noise": ("NOISE_MULTIPLE", "Figure", "autocast", "figure"),
+    ".stagewise": ("check_stages",),
+    ".boundaries": ("Departure", "REPLAY_RTOL"),
     ".": ("distributed",),
 })

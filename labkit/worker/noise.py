@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 NOISE_MULTIPLE = 2.0
+STEP_KINDS = ("loss", "grad", "output")  # the step's own tensors; "boundary": a failed check's float64 replays
 MIN_FLOOR_ULPS = 1.0
 SHOWN = 3  # how many of the worst tensors a failure names
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
@@ -125,6 +126,17 @@ def autocast_ctx(device, autocast: torch.dtype | None):
     return torch.autocast(torch.device(device).type, dtype=autocast, cache_enabled=False)
 
 
+def autocast(dtype: torch.dtype = torch.bfloat16, device=None):
+    """`labkit.autocast(torch.bfloat16)`: torch.autocast with its cast cache off, for a pipelined step
+    and its check. A plain `torch.autocast` (cache on) casts a stage's received activation once and
+    shares that copy among its uses (q, k and v projections): their gradients are summed in bf16 and
+    a correct step fails its check (`autocast_ctx` says how much). `device`: "cpu" or "cuda"; default
+    the GPU when this process has initialised one, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    return autocast_ctx(device, dtype)
+
+
 def chunk_kwargs(kwargs: dict, size: int, n: int, dim: int) -> list[dict]:
     """The model's other inputs for each microbatch: tensors of the batch's size along `dim` cut, the rest whole."""
     out = [{} for _ in range(n)]
@@ -160,9 +172,7 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: tor
         n_mb = sum(1 for f in figures if f.kind == "loss")
         which = "every microbatch's loss" if len(losses) == n_mb else \
             f"the loss of microbatch{'es' if len(losses) > 1 else ''} {', '.join(f.name for f in losses)}"
-        lines.append(f"{which} differs (up to {max(f.ratio for f in losses):.3g}x its floor): a forward is wrong "
-                     f"(the stage that holds the largest gradient departures below, or one before the last), "
-                     f"or the microbatches were cut or fed differently")
+        lines.append(f"{which} differs (up to {max(f.ratio for f in losses):.3g}x its floor)")
     if grads:
         stages = sorted({f.stage for f in grads if f.stage is not None})
         worst = ", ".join(f"stage {f.stage}'s {f.name!r} ({f.ratio:.3g}x)" for f in grads[:SHOWN])
@@ -188,8 +198,32 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: tor
     return "; ".join(lines)
 
 
+def travel_hint(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
+    """What the losses and gradients point to when every stage computes as the unsplit model: how the
+    microbatches or activations travelled, or the loss."""
+    losses = [f for f in figures if f.kind == "loss"]
+    bad = [f for f in losses if f.ratio > multiple]
+    if bad and len(bad) < len(losses):
+        return (f"only the loss{'es' if len(bad) > 1 else ''} of microbatch{'es' if len(bad) > 1 else ''} "
+                f"{', '.join(f.name for f in bad)} differ{'' if len(bad) > 1 else 's'}: those microbatches travelled "
+                f"differently (fed in another order, or their inputs, targets or per-microbatch kwargs are not the "
+                f"whole batch's cut)")
+    fits = [f.fit for f in bad]
+    if bad and max(fits) - min(fits) < 1e-3 * abs(fits[0]) and abs(fits[0] - 1) > 1e-3:
+        return (f"every microbatch's loss is the reference's times {fits[0]:.4g}: the loss is normalised or scaled "
+                f"differently (a mean over each microbatch's own tokens instead of the batch's: check_token_step; "
+                f"a loss divided twice)")
+    if bad:
+        return ("every microbatch's loss differs: the microbatches were cut differently from the whole batch (along "
+                "a dim other than the batch: the layout, chunk_dim; per-microbatch kwargs), or the loss is not the "
+                "reference's (normalisation, scaling)")
+    return ("the losses match: what was done to the gradients after the backward (scale_grads, clipping, "
+            "accumulation) or how they were gathered")
+
+
 def summary(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
     """The failure's first line: how many tensors are outside the noise, and the worst."""
+    figures = [f for f in figures if f.kind in STEP_KINDS]
     bad = sorted((f for f in figures if f.ratio > multiple), key=lambda f: -f.ratio)
     worst = bad[0]
     what = f"microbatch {worst.name}'s loss" if worst.kind == "loss" else \

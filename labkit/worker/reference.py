@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .boundaries import localise_full, sentence
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
-from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy, summary, where
+from .noise import (NOISE_MULTIPLE, STEP_KINDS, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy,
+                    summary, travel_hint, where)
 from .shared import digest, is_shared, memo, module_key
 
 
@@ -160,15 +162,25 @@ class Check:
     no_grad: list[str] = field(default_factory=list)
     """Parameters a stage holds whose gradient was None after the step."""
     notes: list[str] = field(default_factory=list)
+    values: list[str] = field(default_factory=list)
+    """Stage parameters that do not hold the unsplit model's values before the step (a loading or copying
+    bug), each with its largest difference: reported before anything else."""
 
     @property
     def worst_ratio(self) -> float:
-        return max((f.ratio for f in self.figures), default=0.0)
+        """The worst ratio of the step's own tensors (losses, gradients, output); a failed check's boundary
+        figures (kind "boundary": float64 replays, labkit.worker.boundaries) are not among them."""
+        return max((f.ratio for f in self.figures if f.kind in STEP_KINDS), default=0.0)
 
     @property
     def failure(self) -> str | None:
         if self.ok:
             return None
+        if self.values:
+            return (f"{'; '.join(self.values[:3])}{' and others' if len(self.values) > 3 else ''}: "
+                    f"{'does' if len(self.values) == 1 else 'do'} not hold the unsplit model's values before the step "
+                    f"(a loading or copying bug): a stage must start from the unsplit model's weights (the same seed, "
+                    f"checkpoint or copy), cast at most")
         if self.no_grad:
             return (f"{', '.join(self.no_grad[:3])}{' and others' if len(self.no_grad) > 3 else ''}: held by the "
                     f"stage but received no gradient (unused in its forward?): every parameter a stage holds must "
@@ -179,8 +191,8 @@ class Check:
         if self.max_abs_diff == float("inf"):
             return ("a loss or gradient is missing: pass the `losses` list that schedule.step filled, and "
                     "check before the optimizer step or zero_grad")
-        if self.tolerance is None:
-            return summary(self.figures, self.noise_multiple) + (f". Where: {self.where}" if self.where else "")
+        if self.tolerance is None:  # where first: the sentence a learner acts on, then the numbers
+            return (f"{self.where}. " if self.where else "") + summary(self.figures, self.noise_multiple)
         return (f"reference mismatch: max abs diff {self.max_abs_diff:.3g} > tolerance {self.tolerance:g}"
                 + (f". Where, against this model's float noise: {self.where}" if self.where else ""))
 
@@ -272,6 +284,8 @@ class _Findings:
     numel: int = 0
     ldiff: float = 0.0
     odiff: float = 0.0
+    values: list[str] = field(default_factory=list)
+    """Stage parameters whose values are not the unsplit model's (`_compare_values`)."""
 
 
 def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
@@ -280,7 +294,7 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in c.losses] if c.has_last else []
     ref, probe, truth, why = memo(_references_key(c), lambda: _references(c))
     last_stage = max((int(s.stage_index) for s in c.stages if s.is_last), default=None)
-    found = _Findings(mine)
+    found = _Findings(mine, values=_compare_values(c) if c.grads is None else [])
     if c.loss_fn is None:
         if c.has_last:
             found.odiff = float((c.output.to(ref.output.device) - ref.output).abs().max())
@@ -337,11 +351,12 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     per_rank = worker.all_gather_floats([found.gmax, float(found.numel), found.ldiff, found.odiff,
                                          float(c.has_last), *c.extra], c.device, c.group)
     gathered = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(gathered, ([f.as_dict() for f in found.figures], found.no_grad, ref.dropped),
-                           group=c.group)
-    figures = [Figure(**f) for figs, _, _ in gathered for f in figs]
-    no_grad = [n for _, ng, _ in gathered for n in ng]
-    dropped = sorted({n for _, _, dr in gathered for n in dr})
+    dist.all_gather_object(gathered, ([f.as_dict() for f in found.figures], found.no_grad, ref.dropped,
+                                      found.values), group=c.group)
+    figures = [Figure(**f) for figs, _, _, _ in gathered for f in figs]
+    no_grad = [n for _, ng, _, _ in gathered for n in ng]
+    dropped = sorted({n for _, _, dr, _ in gathered for n in dr})
+    values = [v for _, _, _, vs in gathered for v in vs]
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if c.loss_fn is None else worker.broadcast_floats(
         found.mine if c.has_last else None, c.n_microbatches, last_rank, c.device, c.group)
@@ -351,11 +366,49 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     diff = odiff if c.loss_fn is None else max(gmax, ldiff)
     complete = c.loss_fn is None or compared == expected
     within = all(f.ratio <= NOISE_MULTIPLE for f in figures) and diff != float("inf")
-    ok = bool(complete and not no_grad and (within if c.tolerance is None else diff <= c.tolerance))
+    ok = bool(complete and not no_grad and not values and (within if c.tolerance is None else diff <= c.tolerance))
     notes = _notes(c, ok, figures, dropped, why)
+    said = "" if ok else where(figures, autocast=c.autocast)
+    if not ok and complete and not no_grad and not values and diff != float("inf"):  # every rank: ok is the same
+        said = _located(c, figures, said)
     return Check(ok, diff, compared, expected, pipelined, list(ref.losses), ldiff, gmax, odiff, c.tolerance,
-                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, "" if ok else where(figures, autocast=c.autocast),
-                 no_grad, notes)
+                 [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, said, no_grad, notes, values)
+
+
+def _located(c: _Call, figures: list[Figure], said: str) -> str:
+    """A failed step localised by its boundaries (collective): each stage replayed in float64 on the
+    reference's input at its cut (labkit.worker.boundaries); their figures are added to `figures`. The
+    sentence says where, or, when every stage computes as the unsplit model, what travelled wrong."""
+    departures, boundary = localise_full(c)
+    figures += boundary
+    located = sentence(departures)
+    if not any(d.what != "unreplayed" for d in departures):
+        located = "; ".join(x for x in (located, "every stage computes as the unsplit model when replayed on the "
+                                        "reference's input at its cut (float64): " + travel_hint(figures)) if x)
+    return f"{located}. Figures: {said}" if said else located
+
+
+def _compare_values(c: _Call) -> list[str]:
+    """This rank's stage parameters whose values are not the unsplit model's (cast to the stage's dtype,
+    exactly): a weight loaded or copied wrong, named before any gradient. Sharded parameters (DTensor)
+    are left to the gradients."""
+    params = dict(c.full.named_parameters(remove_duplicate=False))
+    out = []
+    for s in c.stages:
+        for _, name, p in stage_names(s, c.prefix_stage_index):
+            r = params.get(c.tied.get(name, c.renamed.get(name, name)))
+            if r is not None and r.shape == p.shape and (diff := value_diff(p, r)) > 0:
+                out.append(f"stage {s.stage_index}'s {name!r} (max diff {diff:.2g})")
+    return out
+
+
+def value_diff(mine: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |mine - ref cast to mine's dtype|: 0 for a parameter that holds the reference's values (a
+    cast copy included); 0 too for a sharded one (DTensor: left to the gradients)."""
+    if hasattr(mine, "full_tensor") or hasattr(ref, "full_tensor") or not ref.numel() or mine.shape != ref.shape:
+        return 0.0
+    m = mine.detach().to(ref.device)
+    return float((m.double() - ref.detach().to(m.dtype).double()).abs().max())
 
 
 def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: list[str]) -> list[str]:

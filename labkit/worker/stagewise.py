@@ -1,0 +1,311 @@
+"""The step check for a model no rank holds whole: `check_stages`.
+
+`check_step` needs the WHOLE unsplit model on every rank, plus its float64 copy: a model that needs
+pipelining does not fit there. `check_stages` needs only each rank's slices of it: `slices` maps each
+stage this rank holds to the user's own layers for that stage, computing as the unsplit model does
+(built from the same seed or loaded from the same checkpoint, never the stage module itself). The
+reference then runs as a chain along the pipeline, whole batch, stage after stage: each rank runs its
+slices and sends the activation at each cut to the next stage's rank, then the gradients back. Three
+chains, as check_step's three references (labkit.worker.noise): in the step's dtype and autocast
+(R), microbatch by microbatch (C), in float64 (T). The losses, every gradient and every value are
+judged against their measured floors as check_step judges them; a failure is localised by the same
+float64 replay of each stage on T's input at its cut (labkit.worker.boundaries), against the slice.
+
+No rank holds more than its own slices, their float64 copies, the step-dtype references' graphs of
+its own slices and the whole-batch activations at its own cuts. Taught in notebook 09b.
+
+May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .boundaries import Cut, Recorder, Departure, name_map, replay_stage, sentence, step_loss, up64
+from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
+from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, travel_hint, where
+from .reference import Check, value_diff
+
+
+def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatches: int, loss_fn, *,
+                 autocast: torch.dtype | None = None, kwargs: dict | None = None, device=None, chunk_dim: int = 0,
+                 group=None) -> Check:
+    """Collective (call it on EVERY rank of the pipeline): one pipelined step against ONE forward and
+    backward of the unsplit model on the WHOLE batch, where no rank holds the unsplit model.
+
+    slices: {stage_index: this rank's slice of the unsplit model for that stage} for every stage this
+    rank holds, with the stage module's parameter names (a wrapper's prefix aside) and shapes, built
+    as the unsplit model's layers are (same seed or checkpoint), never from the stage module;
+    stages: this rank's PipelineStages; x, y: the whole batch (every rank); losses: the `losses` list
+    the schedule filled (the last stage's rank; empty elsewhere); loss_fn: the schedule's loss;
+    autocast: the dtype the step ran under (`labkit.autocast`); kwargs: the slices' other inputs for
+    the whole batch (every slice gets them; cut per microbatch along `chunk_dim` where they have the
+    batch's size); group: the pipeline's process group when the ranks run several pipelines.
+    Returns a Check as check_step's (figures, where, values). A call that cannot be compared (a slice
+    whose names or shapes do not match its stage, a stage held by no rank or twice, losses on the wrong
+    rank, a wrong microbatch count) raises CheckStepError on EVERY rank before any other collective."""
+    device = device if device is not None else (stages[0].device if stages else "cpu")
+    run = _Run(dict(slices), list(stages), x, y, list(losses or []), n_microbatches, loss_fn, autocast,
+               kwargs or {}, torch.device(device), chunk_dim, group)
+    _agree(run)
+    refs = {mode: _chain(run, mode) for mode in ("R", "C", "T")}
+    return _decide(run, refs)
+
+
+@dataclass
+class _Run:
+    slices: dict
+    stages: list
+    x: object
+    y: object
+    losses: list
+    n_microbatches: int
+    loss_fn: object
+    autocast: object
+    kwargs: dict
+    device: torch.device
+    chunk_dim: int
+    group: object
+    holders: dict = field(default_factory=dict)
+    """{stage index: the group rank that holds it}, agreed by `_agree`."""
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.holders)
+
+    def stage(self, k: int):
+        return next(s for s in self.stages if int(s.stage_index) == k)
+
+
+def _slice_problems(run: _Run) -> list[str]:
+    """This rank's slices against its stages: one per stage held, the same names and shapes, not the
+    stage module's own parameters."""
+    held = sorted(int(s.stage_index) for s in run.stages)
+    if sorted(run.slices) != held:
+        return [f"a rank holds stage{'s' if len(held) > 1 else ''} {held} but passed slices for {sorted(run.slices)}: "
+                f"pass slices={{stage_index: that stage's slice of the unsplit model}} for each stage it holds."]
+    problems = []
+    for s in run.stages:
+        k, sl = int(s.stage_index), run.slices[int(s.stage_index)]
+        mine = {canonical(n): p for n, p in s.submod.named_parameters()}
+        theirs = {canonical(n): p for n, p in sl.named_parameters()}
+        if {id(p) for p in mine.values()} & {id(p) for p in theirs.values()}:
+            problems.append(f"stage {k}'s slice shares parameters with the stage module: build the slice as the "
+                            f"unsplit model's layers are built (same seed or checkpoint), not from the stage.")
+        only = sorted(set(mine) ^ set(theirs))
+        if only:
+            side = "the stage" if only[0] in mine else "the slice"
+            problems.append(f"stage {k}'s slice and stage module name their parameters differently ({len(only)} "
+                            f"name(s) in one only, e.g. {only[0]!r} in {side}): the slice must hold that stage's "
+                            f"layers under the same names.")
+        problems += [f"stage {k}'s {n!r} has shape {list(p.shape)} on the stage, {list(theirs[n].shape)} in the "
+                     f"slice." for n, p in mine.items() if n in theirs and theirs[n].shape != p.shape][:2]
+    return problems
+
+
+def _agree(run: _Run) -> None:
+    """Every rank's report gathered once; the same CheckStepError on every rank when the call cannot
+    be compared. Sets run.holders."""
+    report = {"stages": sorted(int(s.stage_index) for s in run.stages), "last": any(s.is_last for s in run.stages),
+              "num_stages": max((int(getattr(s, "num_stages", 0) or 0) for s in run.stages), default=0),
+              "chunks": sorted({int(c) for s in run.stages if (c := getattr(s, "chunks", None)) is not None}),
+              "n_losses": len(run.losses), "has_output": False, "n_extra": 0,
+              "batch": tuple(run.y.shape) if torch.is_tensor(run.y) else None, "slices": _slice_problems(run)}
+    reports = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(reports, report, group=run.group)
+    ranks = [dist.get_global_rank(run.group, r) if run.group is not None else r for r in range(len(reports))]
+    problems = [] if run.loss_fn is not None else ["check_stages compares a training step: pass the schedule's "
+                                                     "loss_fn (forward-only steps: check_step with output=)."]
+    problems += [f"rank {ranks[r]}: {p}" for r, rep in enumerate(reports) for p in rep["slices"]]
+    problems += _batch_problems(reports, run.n_microbatches if isinstance(run.n_microbatches, int) else None,
+                                run.loss_fn, run.chunk_dim)
+    problems += _stage_problems(reports, ranks, run.group)
+    problems += _loss_problems(reports, ranks, run.n_microbatches, run.loss_fn)
+    if problems:
+        raise CheckStepError("check_stages cannot compare this step (the same on every rank of the pipeline):\n"
+                             + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
+    run.holders = {k: r for r, rep in enumerate(reports) for k in rep["stages"]}
+
+
+@dataclass
+class _Chain:
+    """One reference chain's results on this rank: the losses (last stage), each of its slices'
+    gradients, and, for T, what the replay of a failed check needs at each of its cuts."""
+
+    losses: list[float] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    cuts: dict[int, Cut] = field(default_factory=dict)
+
+
+def _send(run: _Run, obj, k: int) -> None:
+    dst = run.holders[k]
+    dist.send_object_list([obj], dst=dist.get_global_rank(run.group, dst) if run.group is not None else dst,
+                          group=run.group)
+
+
+def _recv(run: _Run, k: int):
+    box, src = [None], run.holders[k]
+    dist.recv_object_list(box, src=dist.get_global_rank(run.group, src) if run.group is not None else src,
+                          group=run.group)
+    return [t.to(run.device) if torch.is_tensor(t) else t for t in box[0]]
+
+
+def _chain(run: _Run, mode: str) -> _Chain:
+    """The unsplit model run along the pipeline on the whole batch: "R" in the step's dtype and
+    autocast, "C" microbatch by microbatch (its gradients summed, over the microbatch count), "T" in
+    float64. Activations go forward from stage to stage, their gradients back."""
+    me, m, out = dist.get_rank(run.group), run.n_microbatches, _Chain()
+    up = up64 if mode == "T" else (lambda v: v)
+    mods = {k: (_copy64(sl) if mode == "T" else sl) for k, sl in run.slices.items()}
+    x, y, kw = up(run.x), up(run.y), {k: up(v) for k, v in run.kwargs.items()}
+    size = x.shape[run.chunk_dim] if torch.is_tensor(x) and x.dim() > run.chunk_dim else 0
+    kws = chunk_kwargs(kw, size, m, run.chunk_dim) if mode == "C" else [kw]
+    ctx = autocast_ctx(run.device, None if mode == "T" else run.autocast)
+    graph = {}
+    for k in range(run.n_stages):
+        if run.holders[k] != me:
+            continue
+        parts = (list(x.chunk(m, dim=run.chunk_dim)) if mode == "C" else [x]) if k == 0 else \
+            (graph[k - 1][1] if run.holders[k - 1] == me else _recv(run, k - 1))
+        ins = [p.detach().requires_grad_(True) if p.is_floating_point() else p for p in parts]
+        with torch.enable_grad(), ctx:
+            outs = [_first(mods[k](a, **kwp)) for a, kwp in zip(ins, kws)]
+        graph[k] = (ins, outs)
+        if k + 1 < run.n_stages and run.holders[k + 1] != me:
+            _send(run, [o.detach().cpu() for o in outs], k + 1)
+    for k in reversed(range(run.n_stages)):
+        if run.holders[k] != me:
+            continue
+        ins, outs = graph[k]
+        if k + 1 == run.n_stages:
+            with torch.enable_grad(), ctx:
+                per = [run.loss_fn(o, t) for o, t in zip(outs[0].chunk(m, dim=run.chunk_dim),
+                                                         y.chunk(m, dim=run.chunk_dim))] if len(outs) == 1 else \
+                    [run.loss_fn(o, t) for o, t in zip(outs, y.chunk(m, dim=run.chunk_dim))]
+            out.losses = [float(v.detach()) for v in per]
+            roots, grads_out = [torch.stack(per).mean()], [None]
+        else:
+            grads_out = graph[k + 1][2] if run.holders[k + 1] == me else _recv(run, k + 1)
+            roots = outs
+        params = [p for p in mods[k].parameters() if p.requires_grad]
+        leaves = [a for a in ins if a.requires_grad] if k > 0 else []
+        got = torch.autograd.grad(roots, leaves + params, grads_out, allow_unused=True)
+        in_grads = list(got[:len(leaves)])
+        graph[k] = (ins, outs, in_grads)
+        names = [canonical(n) for n, p in mods[k].named_parameters() if p.requires_grad]
+        for n, g in zip(names, got[len(leaves):]):
+            if g is not None:
+                out.grads[n] = out.grads[n] + g if n in out.grads else g.detach()
+        if k > 0 and run.holders[k - 1] != me:
+            _send(run, [g.detach().cpu() for g in in_grads], k - 1)
+        if mode == "T":
+            last = k + 1 == run.n_stages
+            out.cuts[k] = Cut(ins[0].detach(), kw, outs[0].detach(), None if last else grads_out[0],
+                              step_loss(run.loss_fn, y, m, run.chunk_dim) if last else None)
+    return out
+
+
+def _copy64(module: nn.Module) -> nn.Module:
+    import copy
+    return copy.deepcopy(module).double()
+
+
+def _first(out):
+    from .boundaries import first_tensor
+    return first_tensor(out)
+
+
+def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str], int, float]:
+    """This rank's figures (losses on the last stage's rank, every stage parameter's gradient), stage
+    parameters whose values are not the slice's, parameters with no gradient, the elements compared
+    and the largest absolute gradient or loss difference."""
+    R, C, T = refs["R"], refs["C"], refs["T"]
+    figs, values, no_grad, numel, worst = [], [], [], 0, 0.0
+    for s in run.stages:
+        k = int(s.stage_index)
+        theirs = {canonical(n): p for n, p in run.slices[k].named_parameters()}
+        for n, p in s.submod.named_parameters():
+            name = canonical(n)
+            d = value_diff(p, theirs[name])
+            if d > 0:
+                values.append(f"stage {k}'s {name!r} (max diff {d:.2g})")
+            g, r = p.grad, R.grads.get(name)
+            if g is None and r is not None:
+                no_grad.append(f"stage {k}'s {name!r}")
+                continue
+            if g is None or r is None:
+                continue
+            worst = max(worst, float((g.to(r.device) - r).abs().max()))
+            figs.append(figure("grad", name, k, g, r, C.grads.get(name, r), run.n_microbatches,
+                               truth=T.grads.get(name)))
+            numel += p.numel()
+    if any(s.is_last for s in run.stages):
+        f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        mine = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in run.losses]
+        dtype = next(run.slices[run.n_stages - 1].parameters()).dtype
+        figs += [figure("loss", str(i), run.n_stages - 1, f64(p), f64(r), f64(c), 1, dtype, f64(t))
+                 for i, (p, r, c, t) in enumerate(zip(mine, R.losses, C.losses, T.losses))]
+        worst = max([worst] + [abs(p - r) for p, r in zip(mine, R.losses)])
+    return figs, values, no_grad, numel, worst
+
+
+def _decide(run: _Run, refs: dict) -> Check:
+    """Every rank's figures gathered over the pipeline, the one verdict, and on failure where."""
+    figs, values, no_grad, numel, worst = _compare(run, refs)
+    expected = sum(p.numel() for sl in run.slices.values() for p in sl.parameters())
+    gathered = [None] * dist.get_world_size(run.group)
+    mine = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in run.losses]
+    dist.all_gather_object(gathered, ([f.as_dict() for f in figs], values, no_grad, numel, expected, worst,
+                                      refs["R"].losses, mine), group=run.group)
+    figures = [Figure(**f) for g in gathered for f in g[0]]
+    values, no_grad = [v for g in gathered for v in g[1]], [n for g in gathered for n in g[2]]
+    compared, expected = sum(g[3] for g in gathered), sum(g[4] for g in gathered)
+    diff = max(g[5] for g in gathered)
+    ref_losses = next(g[6] for g in gathered if g[6])
+    losses = next(g[7] for g in gathered if g[7])
+    ok = bool(compared == expected and not values and not no_grad and all(f.ratio <= NOISE_MULTIPLE for f in figures))
+    said = "" if ok else where(figures, autocast=run.autocast)
+    if not ok and not values and not no_grad:
+        said = _located(run, refs["T"], figures, said)
+    ldiff = max((abs(p - r) for p, r in zip(losses, ref_losses)), default=0.0)
+    return Check(ok, diff, compared, expected, losses, ref_losses, ldiff, diff, 0.0, None, [[] for _ in gathered],
+                 figures, NOISE_MULTIPLE, said, no_grad, [], values)
+
+
+def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
+    """Each of this rank's stages replayed in float64 on T's input at its cut, against its slice in
+    float64 (collective: every rank gets every departure)."""
+    deps, figs = [], []
+    for s in run.stages:
+        k = int(s.stage_index)
+        ref64 = _copy64(run.slices[k])
+        rec = Recorder(ref64, lambda n: canonical(n + ".").rstrip(".") or None, keep_grad=True)
+        cut = truth.cuts[k]
+        a = cut.a_in.clone().requires_grad_(k > 0 and cut.a_in.is_floating_point())
+        try:
+            with torch.enable_grad():
+                o = _first(ref64(a, **cut.kwargs))
+                cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
+        except Exception as e:  # noqa: BLE001
+            deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {type(e).__name__}: {e}"))
+            continue
+        finally:
+            rec.remove()
+        pairs = [(n, canonical(n)) for n, _ in s.submod.named_parameters()]
+        truth_grads = {canonical(n): p.grad for n, p in ref64.named_parameters() if p.grad is not None}
+        dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
+        deps += [dep] if dep is not None else []
+        figs += f
+    gathered = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
+    departures = [Departure(**d) for ds, _ in gathered for d in ds]
+    figures += [Figure(**f) for _, fs in gathered for f in fs]
+    located = sentence(departures)
+    if not any(d.what != "unreplayed" for d in departures):
+        located = "; ".join(x for x in (located, "every stage computes as its slice of the unsplit model when "
+                                        "replayed on the reference's input at its cut (float64): "
+                                        + travel_hint(figures)) if x)
+    return f"{located}. Figures: {said}" if said else located
