@@ -263,6 +263,39 @@ def manual_stage(model_type: str, preset, full: nn.Module, stage: int, bounds: l
     return mod
 
 
+def meta_stage(model_type: str, preset, stage: int, bounds: list[int], device, seed: int = 0) -> HFStage:
+    """`stage` of a model that is never built whole: cut from the model on `meta`, materialized on
+    `device`, each parameter filled from a seed of its own name (`seeded_init`: norms' weights 1,
+    biases 0, other weights N(0, 0.02)), the buffers of parameter-free helpers (rotary frequencies)
+    computed anew. Built twice with the same seed, a stage and the slice `check_stages` holds it against
+    are equal, and any two ranks agree on every name they share (notebook 09b)."""
+    meta = build_hf(model_type, preset, device="meta")
+    mod = HFStage(meta, stage_paths(meta, stage, bounds), stage, len(bounds) - 1, bounds)
+    mod.to_empty(device=device)
+    seeded_init(mod, seed)
+    for name, m in list(mod.named_modules()):
+        if name and next(m.parameters(), None) is None and next(m.buffers(), None) is not None:
+            with torch.device(device):
+                _set(mod, name, type(m)(config=mod.config))
+    return mod
+
+
+def seeded_init(module: nn.Module, seed: int) -> None:
+    """Each parameter from a generator seeded by `seed` and its name (zlib.crc32): the same values on
+    every rank that holds that name, whatever else it holds."""
+    import zlib
+
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(n.encode()))
+            if "norm" in n.rsplit(".", 2)[-2] and n.endswith("weight"):
+                p.fill_(1.0)
+            elif n.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
 def trace_pipe(full: nn.Module, bounds: list[int], example_ids, example_kwargs: dict):
     """`pipeline()` on a copy of the whole model, split at the first block of every stage but the first,
     with the two settings of the module docstring ("Tracer split"): traced under `torch.no_grad()`, and
