@@ -33,7 +33,6 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".ranks.suite": ("run_configs",),
     ".ranks.choose": ("ChoiceTable", "measure_choices", "plot_choice"),
     ".worker.reference": ("CheckStepError", "check_step"),
-    ".worker.stagewise": ("check_stages",),  # the check for a model no rank holds whole
     ".worker.noise": ("autocast",),  # torch.autocast with its cast cache off, for bf16 steps and their check
     ".notebook.explorer": ("explorer",),
     ".": ("versions",),  # which torch this is and what it has: versions.has("WAIT actions"), versions.installed()

@@ -165,6 +165,8 @@ def cmd_slurm(a) -> int:
 def cmd_timeline(a) -> int:
     from .timeline.compare import load_timeline, with_pipelines
 
+    if a.compare:
+        return _compare(a)
     tl = with_pipelines(load_timeline(a.paths, a.source), a.paths[0] if len(a.paths) == 1 else None)
     if a.perfetto:
         from .timeline.perfetto import write_chrome_trace
@@ -207,6 +209,27 @@ def cmd_timeline(a) -> int:
         brief = {"metrics": out["metrics"], "meta": out["meta"],
                  **({"pipelines": out["pipelines"]} if "pipelines" in out else {})}
         print(json.dumps(out if a.json else brief, indent=None if a.json else 2))
+    return 0
+
+
+def _compare(a) -> int:
+    """`labkit timeline --compare BEFORE AFTER`: why AFTER's step is slower, by cause (`explain_slowdown`)."""
+    from .timeline.slowdown import explain_slowdown
+
+    if len(a.paths) != 2:
+        raise ConfigError(f"--compare takes two runs, BEFORE then AFTER (got {len(a.paths)} paths), e.g. "
+                          f"labkit timeline --compare runs/quiet runs/busy")
+    slowdown = explain_slowdown(*a.paths, source=a.source)
+    print(slowdown.text() + "\n\n" + slowdown.table())
+    for note in slowdown.notes:
+        print(f"note: {note}")
+    if a.plot:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(5, 4))
+        slowdown.plot(fig.subplots())
+        fig.savefig(a.plot, dpi=120, bbox_inches="tight")
+        print(f"wrote {a.plot}", file=sys.stderr)
     return 0
 
 
@@ -307,13 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
                                             "plain or .gz, all ranks in one file or one per rank) or profiler traces: "
                                             "read by what they hold, whatever their names")
     t.add_argument("--json", action="store_true", help="print actions and metrics as JSON")
-    t.add_argument("--plot", default=None, help="save the measured timeline beside its fitted ideal (PNG)")
+    t.add_argument("--plot", default=None,
+                   help="save the measured timeline beside its fitted ideal (PNG; with --compare, both runs by cause)")
     t.add_argument("--perfetto", default=None, help="save a Chrome/Perfetto trace JSON (one pid per rank)")
     t.add_argument("--source", default="auto", choices=["auto", "spans", "logs", "profiler"],
                    help="spans (measured at both ends of every action; the default where the run has them), logs "
                         "(derived from torch's PP log lines: GPipe/1F1B starts are inferred), profiler (a run with "
                         "--profile); auto: by what the paths hold (a directory: spans, else profiler, else logs)")
     t.add_argument("--idle", action="store_true", help="say where the last step's idle time went, by cause (spans)")
+    t.add_argument("--compare", action="store_true",
+                   help="PATHS are two runs of one schedule, BEFORE AFTER: why AFTER's mean step is slower, by cause "
+                        "(machine, compute per stage, waiting, communication, kit); --plot draws both by cause")
     th = sub.add_parser("theory", help="the ideal timeline of a schedule (simulated from its own action order)")
     th.add_argument("--schedule", required=True)
     th.add_argument("--pp-size", type=int, required=True)

@@ -321,3 +321,51 @@ def has_hooks(model) -> bool:
                for n in ("_backward_hooks", "_post_accumulate_grad_hooks")):
             return True
     return False
+
+
+DYNAMO_LIMIT_HIT = re.compile(r"^(Dynamo recompile limit exceeded|(accumulated_)?(cache_size|recompile)_limit reached)")
+"""The first line of dynamo's record of a frame it gave up on at a recompile limit: torch 2.11 to 2.15
+(its graph-break registry, gb0039) write "Dynamo recompile limit exceeded"; older releases wrote
+"<limit> reached". Read by `dynamo_counters`."""
+
+
+def dynamo_counters() -> dict:
+    """dynamo's cumulative counts in this process, for `labkit.spans.compiled` to take deltas of (call
+    it only once torch._dynamo is imported). Private, all of it: torch._dynamo.utils.counters
+    (`frames`: `total` frames dynamo was asked to convert, `ok` those it compiled; `stats`:
+    `unique_graphs`; `unimplemented` / `graph_break`: one entry per reason), utils'
+    `graph_break_reasons` (one per graph break: torch 2.15 files a data-dependent branch under
+    `unimplemented`, not `graph_break`, so only the list counts every break), convert_frame's
+    `FRAME_COMPILE_COUNTER` (compile attempts per frame id: a second one is a recompile) and the
+    limits in torch._dynamo.config (`recompile_limit`; older releases named it `cache_size_limit`).
+    A frame that reaches its limit is counted in `frames["total"]` but not `ok`, recorded under
+    `unimplemented` (`DYNAMO_LIMIT_HIT`, the text naming the limit, "Limit type: ...", and its value,
+    "currently set to N"), and from then on runs eagerly whenever none of its compiled versions fits.
+    Verified on torch 2.15; each name is looked up with a default, so a release without one reads 0.
+    `torch._dynamo.reset()` empties the graph-break list and the per-frame counter, not the counters."""
+    from torch._dynamo import config, convert_frame, utils
+
+    counters = utils.counters
+    frames, stats = counters.get("frames", {}), counters.get("stats", {})
+    reasons = getattr(utils, "graph_break_reasons", None)
+    hits: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    for category in ("unimplemented", "graph_break"):
+        for text, n in list(counters.get(category, {}).items()):
+            if n <= 0 or not DYNAMO_LIMIT_HIT.match(str(text)):
+                continue
+            kind = re.search(r"Limit type: (\w+)", text) or re.match(r"(\w+) reached", text)
+            name = (kind.group(1) if kind else "recompile_limit").replace("cache_size_limit", "recompile_limit")
+            hits[name] = hits.get(name, 0) + int(n)
+            value = re.search(r"currently set to (\d+)", text)
+            limit = int(value.group(1)) if value else getattr(config, name, None)
+            if limit is None:  # the name before torch 2.6
+                limit = getattr(config, name.replace("recompile_limit", "cache_size_limit"), None)
+            if limit is not None:
+                limits[name] = int(limit)
+    per_frame = getattr(convert_frame, "FRAME_COMPILE_COUNTER", {})
+    return {"frames_total": int(frames.get("total", 0)), "frames_ok": int(frames.get("ok", 0)),
+            "graphs": int(stats.get("unique_graphs", 0)),
+            "graph_breaks": len(reasons) if reasons is not None else int(sum(counters.get("graph_break", {}).values())),
+            "compiles": {k: int(v) for k, v in list(per_frame.items()) if isinstance(k, int)},
+            "limit_hits": hits, "limits": limits}

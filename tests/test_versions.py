@@ -119,3 +119,39 @@ def test_doctor_warns_about_releases_newer_than_tested_and_a_missing_optional_pa
     assert any(w.startswith("transformers is not installed (needed by notebook 11") and "'.[models]'" in w
                for w in report["warnings"])
     assert not any("transformers" in p["what"] for p in report["problems"])
+
+
+def test_dynamo_counters_see_a_compile_a_graph_break_and_a_frame_at_the_recompile_limit():
+    """What labkit.spans.compiled reads of dynamo, on this torch (both ends of the range): a frame that
+    compiles, one with a graph break, and one that meets a recompile limit of 1 and runs eagerly."""
+    import torch._dynamo
+
+    from labkit.spans import compiled
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    torch._dynamo.reset()
+    try:
+        start = compiled.snapshot()
+        torch.compile(lambda x: torch.relu(x) + 1, backend="eager")(torch.randn(3))
+        clean = compiled.delta(start, after := compiled.snapshot())
+        assert (clean["frames"], clean["graphs"], clean["fell_back"], clean["at_limit"]) == (1, 1, 0, 0)
+
+        def broken(x):
+            x = x + 1
+            torch._dynamo.graph_break()
+            return x * 2
+        torch.compile(broken, backend="eager")(torch.randn(3))
+        assert compiled.delta(after, after := compiled.snapshot())["graph_breaks"] == 1
+
+        setattr(cfg, name, 1)
+        scale = torch.compile(lambda x, k: x * k, backend="eager")
+        for k in range(3):  # a Python int is guarded by value: each k needs its own compiled version
+            scale(torch.randn(3), k)
+        limited = compiled.delta(after, compiled.snapshot())
+        assert (limited["fell_back"], limited["at_limit"], limited["recompiles"]) == (1, 1, 0), limited
+        assert (limited["limit_name"], limited["limit"]) == ("recompile_limit", 1)
+    finally:
+        setattr(cfg, name, old)
+        torch._dynamo.reset()

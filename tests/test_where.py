@@ -15,6 +15,7 @@ SETUP = """
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 import labkit
+import labkit.worker
 from labkit.models.small_lm import cut, lm_loss, small_lm
 from labkit import CheckStepError
 
@@ -58,7 +59,7 @@ def step(bug=None, dtype=None, schedule="1F1B", whole=True, **kw):
             sched.step(x, target=Y, losses=losses) if rank == 0 else sched.step()
     if whole:
         return labkit.check_step(full, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
-    return labkit.check_stages(slices, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
+    return labkit.worker.check_stages(slices, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
 """
 
 pool = module_pool(2, SETUP)
@@ -120,7 +121,7 @@ def test_check_stages_refuses_on_every_rank_what_it_cannot_compare(pool):
 full = small_lm(); stage = PipelineStage(cut(full, PLAN["1F1B"][rank][0][1], rank == 0, rank == 1), rank, 2, device)
 def refusal(slices, losses):
     try:
-        labkit.check_stages(slices, [stage], X, Y, losses, 4, lm_loss)
+        labkit.worker.check_stages(slices, [stage], X, Y, losses, 4, lm_loss)
     except CheckStepError as e:
         return str(e)
     return None
@@ -158,7 +159,7 @@ def llama_step(bug=False):
     losses = []
     sched = Schedule1F1B(st, 4, loss_fn=hf.loss_fn)
     sched.step(x, **kw) if rank == 0 else sched.step(target=y, losses=losses, **kw)
-    c = labkit.check_stages({rank: hf.meta_stage("llama", pre, rank, [0, 2, 4], device)}, [st], x, y, losses, 4,
+    c = labkit.worker.check_stages({rank: hf.meta_stage("llama", pre, rank, [0, 2, 4], device)}, [st], x, y, losses, 4,
                             hf.loss_fn, kwargs=kw)
     return c.ok, c.failure or "", c.compared == c.expected
 (llama_step(), llama_step(bug=True))

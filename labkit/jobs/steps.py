@@ -7,6 +7,7 @@ Taught in notebooks 00 and 04.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -169,3 +170,15 @@ def _first_step(stages, losses: list, out, tracker) -> dict:
 def _optimizer_bytes(opt) -> float:
     from ..parallel.compose import local_bytes
     return float(local_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)))
+
+
+@contextlib.contextmanager
+def compile_counts(device):
+    """Collective: yields a dict that, after the block, holds every rank's torch.compile counts over it
+    ({str(rank): labkit.spans.compiled counts}, for result.json; all zeros where dynamo did nothing)."""
+    from ..spans import compiled
+
+    before, counts = compiled.snapshot(), {}
+    yield counts
+    every = worker.all_gather_floats(compiled.as_floats(compiled.delta(before, compiled.snapshot())), device)
+    counts.update({str(r): compiled.from_floats(v) for r, v in enumerate(every)})

@@ -32,7 +32,7 @@ from ..models.adapter import adapter as model_adapter
 from ..worker.noise import autocast_ctx
 from ..worker.reference import check_step
 from ..worker.shared import shared_work
-from .steps import BenchOptions, StepPlan, run_steps
+from .steps import BenchOptions, StepPlan, compile_counts, run_steps
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,8 +150,7 @@ class Job:
     """The model's adapter (labkit.models.adapter): the tutorial Transformer, or a transformers model."""
     full: torch.nn.Module
     """The unsplit model, same weights on every rank (seeded), kept on CPU as the reference."""
-    stages: list
-    """This rank's PipelineStages."""
+    stages: list  # this rank's PipelineStages
     stage_builder: str
     bounds: list[int] | None
     """Layer index where each stage starts, plus n_layers."""
@@ -183,8 +182,7 @@ class Batch:
 
     x: torch.Tensor
     y: torch.Tensor
-    kwargs: dict
-    """The model's other inputs (attention_mask, position_ids for a transformers model)."""
+    kwargs: dict  # the model's other inputs (attention_mask, position_ids for a transformers model)
 
 
 @dataclass
@@ -198,6 +196,7 @@ class Outcome:
     checked_microbatches: int
     memory: list | None = None
     """Composed runs: every rank's bytes of parameters, gradients, optimizer state and activations."""
+    compile: dict = field(default_factory=dict)  # every rank's torch.compile counts (steps.compile_counts)
 
 
 def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
@@ -207,7 +206,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     plan, batch = plan_steps(job, a.accumulate_pitfall)
     if cfg.profile:
         worker.annotate_stages(job.stages)
-    with worker.maybe_profile(cfg.profile, d, out_dir):
+    with compile_counts(d.device) as dynamo, worker.maybe_profile(cfg.profile, d, out_dir):
         step_times, step_losses, first = run_steps(cfg, d, job.stages, plan, BenchOptions.from_args(a))
     peak = worker.peak_memory_bytes(d.device)
     check, n_mb = check_job(job, batch, first, [float(peak), *step_times])
@@ -217,7 +216,7 @@ def run_config(cfg: RunConfig, d, out_dir, a: argparse.Namespace) -> int:
     if cfg.checkpoint:  # the weights after the run's updates, every parameter once
         from ..parallel import checkpoint as ckpt
         ckpt.save(job.stages, cfg.checkpoint)
-    outcome = Outcome(check, _losses_of_last_stage(job, step_losses), n_mb, memory)
+    outcome = Outcome(check, _losses_of_last_stage(job, step_losses), n_mb, memory, dynamo)
     if d.rank == 0:
         report(job, outcome, out_dir, a)
     return 0 if check.ok else 3
@@ -377,6 +376,7 @@ def report(job: Job, outcome: Outcome, out_dir, a: argparse.Namespace) -> None:
 
         result["runtime"] = RUNTIME
     result.update(BenchOptions.from_args(a).result_fields(cfg.steps))  # the capture / span-overhead benchmarks
+    result["compile"] = outcome.compile  # what torch.compile did in the steps, per rank (labkit.spans.compiled)
     worker.write_result(out_dir, d, check, **result)
     mesh = f" x dp {cfg.dp_size} x tp {cfg.tp_size}{' (FSDP2)' if cfg.fsdp else ''}" if job.par is not None else ""
     how = "" if cfg.dtype == "float32" and not cfg.autocast else \

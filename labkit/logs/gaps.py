@@ -51,6 +51,9 @@ class IdleReport:
     clocks): not idle time, the actions ran slower."""
     load: dict[int, dict] = field(default_factory=dict)
     """Per rank, the machine's load at its steps' ends: load1, runnable, cores, the rank's CPU share."""
+    notes: list[str] = field(default_factory=list)
+    """What else the reading knows that changes what the step means, one sentence each, said at the
+    end of `text()` (spans: a compiled stage that ran eagerly, `labkit.spans.compiled.compile_notes`)."""
 
     def descheduled(self, rank: int | None = None) -> float:
         """Share of the step a rank (or the mean rank) was descheduled: between actions and inside them."""
@@ -109,6 +112,7 @@ class IdleReport:
         if self.cores is not None and self.ranks_per_machine is not None and self.ranks_per_machine > self.cores:
             lines.append(f"  {self.ranks_per_machine} ranks shared {self.cores} cores: part of every cause above is "
                          f"waiting for a core")
+        lines += [f"  torch.compile, {note}" for note in self.notes]
         return "\n".join(lines)
 
 

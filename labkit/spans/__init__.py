@@ -4,7 +4,9 @@
   I, W (and each post of / wait for a send or receive) is timed at both ends, CUDA events on GPUs;
   loaded by `boot/sitecustomize.py` in every rank the launcher starts (a user's plain script too);
 - `read`: spans files into a `Timeline` whose source is "spans";
-- `idle`: every idle moment of a step, by cause, from the spans.
+- `idle`: every idle moment of a step, by cause, from the spans;
+- `compiled`: what torch.compile did in each step, per rank (dynamo's counts: graphs, graph breaks,
+  recompiles, frames that fell back to eager), and `compile_notes`, which says it in words.
 
 The timeline the kit draws by default (`labkit timeline`, `%%ranks --timeline`, `pool.timeline()`,
 the explorer, `labkit.run`) comes from spans where they exist: see `labkit.timeline.compare.load_timeline`.
@@ -19,6 +21,7 @@ from ..core import exports as _exports
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".paths": ("BOOT_DIR", "SPANS_DIR_VAR", "span_files"),
     ".read": ("Span", "has_spans", "read_spans", "time_by_kind", "timeline_from_spans", "without_descheduling",
-              "makespan_without_load"),
+              "makespan_without_load", "compile_counts"),
     ".idle": ("DESCHEDULED", "explain_idle_by_pipeline", "explain_idle_spans"),
+    ".compiled": ("compile_notes",),
 })

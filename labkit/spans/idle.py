@@ -24,7 +24,10 @@ here from measurements:
 Descheduled time inside actions is not idle time (the action is running, slowly): the report carries
 it apart, per rank (`descheduled_in_actions`), with the machine's load at each step's end (`load`).
 
-The causes add up to the spans' idle time exactly (the bubble). Taught in notebook 06b.
+The causes add up to the spans' idle time exactly (the bubble). Where a compiled stage fell back to
+eager in the steps read (a recompile limit reached, a frame dynamo could not compile), the report's
+text says so per rank (`notes`, `labkit.spans.compiled.compile_notes`): its actions ran uncompiled.
+Taught in notebook 06b.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from dataclasses import dataclass
 
 from ..core.actions import COMPUTE_KINDS, union_length
 from ..logs.gaps import CAUSES, IdleReport, idle_gaps
-from .read import Span, read_spans, recorded_pipelines, select_step
+from .compiled import compile_notes
+from .read import Span, compile_counts, read_spans, recorded_pipelines, select_step
 
 __all__ = ["SPAN_CAUSES", "CPU_CAUSES", "DESCHEDULED", "explain_idle_spans", "explain_idle_by_pipeline",
            "IdleByPipeline"]
@@ -50,7 +54,9 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
     """Every rank's idle time in one step (`which`: last by default), by cause, with each gap listed
     (`report.gap_list[rank]`: start, end and seconds per cause, times from the step's start).
     `ranks`: only these ranks (one pipeline of several: `explain_idle_by_pipeline`); `meta`: the spans
-    files' meta (`read_spans`; read with them from a path), where the machine's load at each step's end is."""
+    files' meta (`read_spans`; read with them from a path), where the machine's load at each step's end is,
+    and what torch.compile did: a frame that fell back to eager in any step recorded keeps running eagerly
+    in the steps after it, with no count moving then, so the report's notes say it for every step read."""
     if isinstance(spans_or_path, list):
         spans, meta = spans_or_path, meta or {}
     else:
@@ -61,7 +67,8 @@ def explain_idle_spans(spans_or_path, which: str | int = "last", cores: int | No
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
     clocked = bool(comp) and all(s.rq for s in comp)  # scheduler clocks: run-queue time known
     report = IdleReport(makespan=0.0, cores=cores, ranks_per_machine=ranks_per_machine, source="spans",
-                        causes=CPU_CAUSES if clocked else SPAN_CAUSES)
+                        causes=CPU_CAUSES if clocked else SPAN_CAUSES,
+                        notes=compile_notes(compile_counts(meta, {s.rank for s in spans}), fell_back_only=True))
     if not comp:
         return report
     start, end = min(s.start for s in comp), max(s.end for s in comp)

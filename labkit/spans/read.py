@@ -7,6 +7,8 @@ timeline, a WAIT is drawn as the transfer it waited for (RECV when it waited for
 SEND); `labkit.spans.idle` reads the raw spans to say where idle time went. The kit's own time
 around each span (`pre`, `post`, `kit`) and each step's `end_step` line give `instrument_overhead`
 (`meta["instrument_overhead"]` of the timeline: what `labkit timeline --json` prints per rank).
+A step in which torch.compile did anything gives its counts per rank (`meta["compile"]`:
+`compile_counts`, `labkit.spans.compiled`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..core.actions import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
 __all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead",
-           "recorded_pipelines", "machine_load", "without_descheduling", "makespan_without_load"]
+           "recorded_pipelines", "machine_load", "compile_counts", "without_descheduling", "makespan_without_load"]
 
 
 class Span(NamedTuple):
@@ -86,6 +88,8 @@ def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
                 meta.setdefault(rank, {}).setdefault("schedules", {})[int(row["begin_step"])] = row.get("schedule", "")
                 if row.get("pipeline"):  # the ranks of this rank's pipeline in that step (its stage's group)
                     meta[rank].setdefault("pipelines", {})[int(row["begin_step"])] = row["pipeline"]
+                if row.get("compile"):  # what torch.compile did in that step (labkit.spans.compiled)
+                    meta[rank].setdefault("compile", {})[int(row["begin_step"])] = row["compile"]
                 continue
             spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
                               int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", ""),
@@ -148,6 +152,24 @@ def instrument_overhead(spans: list[Span], meta: dict[int, dict]) -> dict[str, d
                           "bookkeeping_s": round(sum(r["bookkeeping"] for r in mine), 9),
                           "calls": sum(r["calls"] for r in mine)}
     return out
+
+
+def compile_counts(meta: dict[int, dict], ranks=None, kept: set | None = None) -> dict[str, dict]:
+    """Per rank (str keys, as in JSON), what torch.compile did (`labkit.spans.compiled.COUNTS`: frames
+    compiled, graphs, graph breaks, recompiles, frames that fell back to eager), summed over the
+    steps `kept` ({(rank, step)}; None: every step recorded) of `ranks` (None: every rank in `meta`).
+    {} when dynamo did nothing in them; else every rank, those that compiled nothing at 0."""
+    from .compiled import add, any_counts, zero
+
+    ranks = sorted(meta) if ranks is None else sorted(ranks)
+    out = {}
+    for rank in ranks:
+        steps = meta.get(rank, {}).get("compile", {})
+        out[str(rank)] = zero()
+        for k, counts in sorted(steps.items()):
+            if kept is None or (rank, k) in kept:
+                out[str(rank)] = add(out[str(rank)], counts)
+    return out if any(any_counts(v) for v in out.values()) else {}
 
 
 def machine_load(spans: list[Span], meta: dict[int, dict]) -> dict[str, dict]:
@@ -238,6 +260,9 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
               if s.kind in COMPUTE_KINDS and s.queued}
     if queued:  # each compute action's seconds without a CPU (`without_descheduling`)
         tl.meta["queued_s"] = queued
+    dynamo = compile_counts(meta, {s.rank for s in spans}, kept)
+    if dynamo:  # what torch.compile did in these steps, per rank (labkit.spans.compiled)
+        tl.meta["compile"] = dynamo
     pipelines = recorded_pipelines(spans, meta)
     if pipelines and len(pipelines) > 1:  # several pipelines (pp x dp, pp x dp x tp): Timeline.split_pipelines
         tl.meta["pipelines"] = pipelines

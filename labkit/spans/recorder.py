@@ -1,7 +1,9 @@
 """The spans of one process (`Recorder`): numbered by step, kept until the step ends, then written as
 one JSON line each to the current file, with the kit's own time around each action (`pre`, `post`,
-`kit`) and a closing `end_step` line. `labkit.spans.record` creates one per rank and feeds it from
-its wrappers; `labkit.spans.read` reads the lines back."""
+`kit`) and a closing `end_step` line; a step in which torch.compile did anything says what on its
+`begin_step` line (`compile`: dynamo's counts since the step before, `labkit.spans.compiled`).
+`labkit.spans.record` creates one per rank and feeds it from its wrappers; `labkit.spans.read` reads
+the lines back."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from . import compiled
 from .paths import OFF_VAR
 
 PATCHED: set[str] = set()
@@ -86,6 +89,7 @@ class Recorder:
         self.loose: list[list[float]] = []  # host intervals of the kit's code in calls without a span
         self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
         self.step_cpu: tuple = (time.thread_time(), None)  # the rank thread's clocks at the step's start (_cpu)
+        self.dynamo = compiled.snapshot()  # dynamo's counters at the last step's end (or the file's start)
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -165,6 +169,8 @@ class Recorder:
         self.tags.clear()
         self.cuda = None
         pipeline, self.pipeline = self.pipeline, None
+        now = compiled.snapshot()  # what dynamo compiled since the last step (None: never imported, no work)
+        dynamo, self.dynamo = compiled.delta(self.dynamo, now), now
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,6 +181,8 @@ class Recorder:
             begin = {"begin_step": step, "schedule": self.schedule}
             if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
                 begin["pipeline"] = pipeline
+            if compiled.any_counts(dynamo):  # torch.compile in this step (labkit.spans.compiled)
+                begin["compile"] = dynamo
             f.write(json.dumps(begin) + "\n")
             for kind, stage, mb, s, e, what, pre, post, pieces, cpu in rows:
                 row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
@@ -223,6 +231,8 @@ class Recorder:
                 if self._on_cuda() else "host (time.time)", "hooks": sorted(PATCHED)}
 
     def use_file(self, path: str | os.PathLike | None) -> None:
-        """Send the next steps' spans to `path` (a live-ranks cell's file); what is buffered goes first."""
+        """Send the next steps' spans to `path` (a live-ranks cell's file); what is buffered goes first.
+        dynamo's counts start again here: a cell's first step counts what the cell compiled before it."""
         self.flush()
         self.path = Path(path) if path else None
+        self.dynamo = compiled.snapshot()

@@ -1,6 +1,6 @@
 """Timelines read and compared: a measured run beside its fitted ideal (`compare`), matplotlib
-drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`). The data model itself is
-`labkit.core.actions`.
+drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`), why one measurement's step
+is slower than another's, by cause (`slowdown`). The data model itself is `labkit.core.actions`.
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
 
@@ -13,4 +13,5 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
               "plot_step_times", "plot_timeline"),
     ".frontier_plot": ("plot_frontier",),
     ".perfetto": ("write_chrome_trace",),
+    ".slowdown": ("Slowdown", "explain_slowdown"),
 })

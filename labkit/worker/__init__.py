@@ -8,13 +8,14 @@ May import: labkit.core, labkit.versions, labkit.schedules, labkit.theory, labki
 
 from ..core import exports as _exports
 
-# the step check itself is public at the top: labkit.check_step (labkit.worker.reference)
+# the step check itself is public at the top: labkit.check_step (labkit.worker.reference), with
+# labkit.autocast (labkit.worker.noise); the check of a model no rank holds whole is here: check_stages
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".stages": ("manual_stage_module", "runtime_from_csv", "stage_input_example"),
     ".reference": ("float64_reference", "microbatched_reference", "stage_grads", "whole_batch_reference"),
     ".memory": ("SavedTensorTracker", "torch_liveness"),
     ".distributed": ("annotate_stages", "run_dir"),
-    ".noise": ("NOISE_MULTIPLE", "Figure", "autocast", "figure"),
+    ".noise": ("NOISE_MULTIPLE", "Figure", "figure"),
     ".stagewise": ("check_stages",),
     ".boundaries": ("Departure", "REPLAY_RTOL"),
     ".": ("distributed",),

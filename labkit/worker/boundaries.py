@@ -320,6 +320,14 @@ def up64(v):
     return v.double() if torch.is_tensor(v) and v.is_floating_point() else v
 
 
+def stage_names(stage, prefix_stage_index: bool = False):
+    """(name as the stage's gradients are keyed, the unsplit model's name, parameter) for each parameter
+    of a stage: wrapper prefixes (torch.compile, checkpoint_wrapper, DDP) taken out of the second."""
+    for n, p in stage.submod.named_parameters():
+        key = f"{stage.stage_index}.{n}" if prefix_stage_index else n
+        yield key, canonical(key), p
+
+
 def stage_rename(stage, prefix_stage_index: bool, renamed: dict):
     """The name map of one PipelineStage's module to the unsplit model's names."""
     pre = f"{stage.stage_index}." if prefix_stage_index else ""
@@ -338,51 +346,3 @@ def step_loss(loss_fn, y, n_microbatches: int, chunk_dim: int):
         return torch.stack([loss_fn(o, t) for o, t in zip(out.chunk(n_microbatches, dim=chunk_dim),
                                                           y.chunk(n_microbatches, dim=chunk_dim))]).mean()
     return loss
-
-
-def localise_full(c) -> tuple[list[Departure], list[Figure]]:
-    """Collective over the pipeline (check_step's `_Call` c, the whole unsplit model on every rank):
-    this rank's stages replayed against a float64 run of the unsplit model; every rank gets every
-    rank's departures and boundary figures."""
-    import torch.distributed as dist
-
-    from .noise import reference_copy
-
-    renames = {int(s.stage_index): stage_rename(s, c.prefix_stage_index, c.renamed) for s in c.stages}
-    mine = {k: held_modules(s.submod, renames[k]) for s in c.stages for k in [int(s.stage_index)]}
-    held = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(held, mine, group=c.group)
-    names = {k: set(v) for h in held for k, v in h.items()}
-    deps, figs = [], []
-    try:
-        full64 = reference_copy(c.full).double().to(c.device)
-        ref = Recorder(full64, keep_grad=True)
-        x64, kw64, y64 = up64(c.x), {k: up64(v) for k, v in (c.kwargs or {}).items()}, up64(c.y)
-        with torch.enable_grad():
-            out = first_tensor(full64(x64, **kw64))
-            loss = step_loss(c.loss_fn, y64, c.n_microbatches, c.chunk_dim) if c.loss_fn is not None else None
-            if loss is not None:
-                loss(out).backward()
-        ref.remove()
-    except Exception as e:  # noqa: BLE001
-        deps = [Departure(int(s.stage_index), "unreplayed", "", detail="the unsplit model in float64: " + _why(e))
-                for s in c.stages]
-    else:
-        truth = {n: p.grad for n, p in full64.named_parameters() if p.grad is not None}
-        entry = {k: next((key for key in ref.inputs if key[0] in v), None) for k, v in names.items()}
-        n_stages = max(names) + 1
-        for s in c.stages:
-            k = int(s.stage_index)
-            nxt = ref.inputs.get(entry.get(k + 1)) if k + 1 < n_stages else None
-            a_in = x64 if k == 0 else ref.inputs.get(entry[k])
-            if a_in is None:
-                deps.append(Departure(k, "unreplayed", "", detail="its input in the unsplit model was not found"))
-                continue
-            cut = Cut(a_in, kw64, out.detach() if k + 1 == n_stages else (nxt.detach() if nxt is not None else None),
-                      None if nxt is None else nxt.grad, loss if k + 1 == n_stages else None)
-            dep, f = replay_stage(k, s.submod, renames[k], cut, ref, truth, backward=loss is not None)
-            deps += [dep] if dep is not None else []
-            figs += f
-    gathered = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=c.group)
-    return ([Departure(**d) for ds, _ in gathered for d in ds], [Figure(**f) for _, fs in gathered for f in fs])

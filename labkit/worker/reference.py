@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .boundaries import localise_full, sentence
+from . import located
+from .boundaries import stage_names
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
 from .noise import (NOISE_MULTIPLE, STEP_KINDS, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy,
-                    summary, travel_hint, where)
+                    summary, where)
 from .shared import digest, is_shared, memo, module_key
 
 
@@ -212,14 +213,6 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
             for s in stages for n, p in s.submod.named_parameters() if p.grad is not None}
 
 
-def stage_names(stage, prefix_stage_index: bool = False):
-    """(name as the stage's gradients are keyed, the unsplit model's name, parameter) for each parameter
-    of a stage: wrapper prefixes (torch.compile, checkpoint_wrapper, DDP) taken out of the second."""
-    for n, p in stage.submod.named_parameters():
-        key = f"{stage.stage_index}.{n}" if prefix_stage_index else n
-        yield key, canonical(key), p
-
-
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
                prefix_stage_index: bool = False, output=None, extra=(), tolerance: float | None = None,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
@@ -294,7 +287,7 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in c.losses] if c.has_last else []
     ref, probe, truth, why = memo(_references_key(c), lambda: _references(c))
     last_stage = max((int(s.stage_index) for s in c.stages if s.is_last), default=None)
-    found = _Findings(mine, values=_compare_values(c) if c.grads is None else [])
+    found = _Findings(mine, values=located.stage_values(c) if c.grads is None else [])
     if c.loss_fn is None:
         if c.has_last:
             found.odiff = float((c.output.to(ref.output.device) - ref.output).abs().max())
@@ -370,45 +363,9 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     notes = _notes(c, ok, figures, dropped, why)
     said = "" if ok else where(figures, autocast=c.autocast)
     if not ok and complete and not no_grad and not values and diff != float("inf"):  # every rank: ok is the same
-        said = _located(c, figures, said)
+        said = located.located_step(c, figures, said)
     return Check(ok, diff, compared, expected, pipelined, list(ref.losses), ldiff, gmax, odiff, c.tolerance,
                  [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, said, no_grad, notes, values)
-
-
-def _located(c: _Call, figures: list[Figure], said: str) -> str:
-    """A failed step localised by its boundaries (collective): each stage replayed in float64 on the
-    reference's input at its cut (labkit.worker.boundaries); their figures are added to `figures`. The
-    sentence says where, or, when every stage computes as the unsplit model, what travelled wrong."""
-    departures, boundary = localise_full(c)
-    figures += boundary
-    located = sentence(departures)
-    if not any(d.what != "unreplayed" for d in departures):
-        located = "; ".join(x for x in (located, "every stage computes as the unsplit model when replayed on the "
-                                        "reference's input at its cut (float64): " + travel_hint(figures)) if x)
-    return f"{located}. Figures: {said}" if said else located
-
-
-def _compare_values(c: _Call) -> list[str]:
-    """This rank's stage parameters whose values are not the unsplit model's (cast to the stage's dtype,
-    exactly): a weight loaded or copied wrong, named before any gradient. Sharded parameters (DTensor)
-    are left to the gradients."""
-    params = dict(c.full.named_parameters(remove_duplicate=False))
-    out = []
-    for s in c.stages:
-        for _, name, p in stage_names(s, c.prefix_stage_index):
-            r = params.get(c.tied.get(name, c.renamed.get(name, name)))
-            if r is not None and r.shape == p.shape and (diff := value_diff(p, r)) > 0:
-                out.append(f"stage {s.stage_index}'s {name!r} (max diff {diff:.2g})")
-    return out
-
-
-def value_diff(mine: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest |mine - ref cast to mine's dtype|: 0 for a parameter that holds the reference's values (a
-    cast copy included); 0 too for a sharded one (DTensor: left to the gradients)."""
-    if hasattr(mine, "full_tensor") or hasattr(ref, "full_tensor") or not ref.numel() or mine.shape != ref.shape:
-        return 0.0
-    m = mine.detach().to(ref.device)
-    return float((m.double() - ref.detach().to(m.dtype).double()).abs().max())
 
 
 def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: list[str]) -> list[str]:

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .boundaries import Cut, Recorder, Departure, name_map, replay_stage, sentence, step_loss, up64
+from .boundaries import Cut, Departure, Recorder, first_tensor, name_map, replay_stage, step_loss, up64
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
-from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, travel_hint, where
-from .reference import Check, value_diff
+from .located import say, value_diff
+from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, where
+from .reference import Check
 
 
 def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatches: int, loss_fn, *,
@@ -172,7 +173,7 @@ def _chain(run: _Run, mode: str) -> _Chain:
             (graph[k - 1][1] if run.holders[k - 1] == me else _recv(run, k - 1))
         ins = [p.detach().requires_grad_(True) if p.is_floating_point() else p for p in parts]
         with torch.enable_grad(), ctx:
-            outs = [_first(mods[k](a, **kwp)) for a, kwp in zip(ins, kws)]
+            outs = [first_tensor(mods[k](a, **kwp)) for a, kwp in zip(ins, kws)]
         graph[k] = (ins, outs)
         if k + 1 < run.n_stages and run.holders[k + 1] != me:
             _send(run, [o.detach().cpu() for o in outs], k + 1)
@@ -211,11 +212,6 @@ def _chain(run: _Run, mode: str) -> _Chain:
 def _copy64(module: nn.Module) -> nn.Module:
     import copy
     return copy.deepcopy(module).double()
-
-
-def _first(out):
-    from .boundaries import first_tensor
-    return first_tensor(out)
 
 
 def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str], int, float]:
@@ -287,7 +283,7 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
         a = cut.a_in.clone().requires_grad_(k > 0 and cut.a_in.is_floating_point())
         try:
             with torch.enable_grad():
-                o = _first(ref64(a, **cut.kwargs))
+                o = first_tensor(ref64(a, **cut.kwargs))
                 cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
         except Exception as e:  # noqa: BLE001
             deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {type(e).__name__}: {e}"))
@@ -303,9 +299,4 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
     dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
     departures = [Departure(**d) for ds, _ in gathered for d in ds]
     figures += [Figure(**f) for _, fs in gathered for f in fs]
-    located = sentence(departures)
-    if not any(d.what != "unreplayed" for d in departures):
-        located = "; ".join(x for x in (located, "every stage computes as its slice of the unsplit model when "
-                                        "replayed on the reference's input at its cut (float64): "
-                                        + travel_hint(figures)) if x)
-    return f"{located}. Figures: {said}" if said else located
+    return say(departures, figures, said, "its slice of the unsplit model")

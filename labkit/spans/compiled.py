@@ -1,0 +1,151 @@
+"""What torch.compile actually ran: dynamo's counts over a step, a cell or a job, per rank, and what
+they mean in words.
+
+A compiled stage can run uncompiled without an error: a frame that dynamo recompiled up to its limit
+(`torch._dynamo.config.recompile_limit`, 8 by default) runs eagerly from then on whenever none of its
+compiled versions fits, and a frame dynamo cannot trace runs eagerly too. Each count here is a
+difference of dynamo's own counters (`labkit.versions.dynamo_counters`) over a window:
+
+- `frames`: frames dynamo compiled; `graphs`: the graphs it made of them; `graph_breaks`: where it
+  cut a frame's code into several graphs with Python between them;
+- `recompiles`: compiles of a frame it had compiled before (a guard failed: a shape or a Python
+  value changed);
+- `fell_back`: frames dynamo gave up on, which ran eagerly; `at_limit` of them at a recompile limit
+  (then `limit_name` and `limit` say which limit and its value).
+
+The spans recorder (`labkit.spans.recorder`) takes them over each step, in every rank it records
+(a live-ranks cell's steps and a job's); `labkit.spans.read` sums them per rank into a timeline's
+`meta["compile"]`; a job's result.json has them over its steps (`labkit.jobs.train`); the idle report
+says in words when a stage fell back (`compile_notes`). Reading costs nothing in a process that never
+imported torch._dynamo, about 6 us a step where it did (torch's pipelining imports it). Notebook 14
+compiles stages.
+"""
+
+from __future__ import annotations
+
+import sys
+
+COUNTS = ("frames", "graphs", "graph_breaks", "recompiles", "fell_back", "at_limit")
+"""The counts of a window, each an int (a window's dict may add `limit_name` and `limit`)."""
+
+LIMIT_NAMES = ("recompile_limit", "accumulated_recompile_limit")
+"""dynamo's recompile limits (torch._dynamo.config), as `limit_name` gives them."""
+
+
+def snapshot() -> dict | None:
+    """dynamo's cumulative counters in this process now; None (and no work) when torch._dynamo was
+    never imported, and when this torch's dynamo cannot be read."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from ..versions import dynamo_counters
+
+    try:
+        return dynamo_counters()
+    except Exception:  # a release that moved what is read: no counts rather than a failed step
+        return None
+
+
+def zero() -> dict:
+    return dict.fromkeys(COUNTS, 0)
+
+
+def _grew(before: int, after: int) -> int:
+    """How much a cumulative count grew; a count that went back was reset (torch._dynamo.reset()) in
+    between: all of it is new."""
+    return after - before if after >= before else after
+
+
+def delta(before: dict | None, after: dict | None) -> dict:
+    """The counts (`COUNTS`) of the window between two `snapshot`s (None: dynamo not yet imported)."""
+    out = zero()
+    if after is None:
+        return out
+    b = before or {"frames_total": 0, "frames_ok": 0, "graphs": 0, "graph_breaks": 0, "compiles": {},
+                   "limit_hits": {}, "limits": {}}
+    was = b["compiles"]
+    if len(after["compiles"]) < len(was) or any(after["compiles"].get(k, 0) < n for k, n in was.items()):
+        # torch._dynamo.reset() in between: the per-frame counts and the graph breaks start again from 0
+        was, b = {}, {**b, "graph_breaks": 0}
+    out["frames"] = _grew(b["frames_ok"], after["frames_ok"])
+    out["graphs"] = _grew(b["graphs"], after["graphs"])
+    out["graph_breaks"] = _grew(b["graph_breaks"], after["graph_breaks"])
+    hits = {name: _grew(b["limit_hits"].get(name, 0), n) for name, n in after["limit_hits"].items()}
+    hits = {name: n for name, n in hits.items() if n > 0}
+    out["at_limit"] = sum(hits.values())
+    out["fell_back"] = max(_grew(b["frames_total"], after["frames_total"]) - out["frames"], out["at_limit"])
+    again = 0  # compile attempts of frames compiled before: recompiles, and the attempts that met a limit
+    for frame, n in after["compiles"].items():
+        new = n - was.get(frame, 0)
+        if new > 0:
+            again += new - (was.get(frame, 0) == 0)
+    out["recompiles"] = max(0, again - out["at_limit"])
+    if hits:
+        name = max(hits, key=hits.get)
+        out["limit_name"], out["limit"] = name, after["limits"].get(name)
+    return out
+
+
+def any_counts(counts: dict | None) -> bool:
+    """Whether a window's counts say dynamo did anything in it."""
+    return bool(counts) and any(counts.get(k, 0) for k in COUNTS)
+
+
+def add(a: dict | None, b: dict | None) -> dict:
+    """Two windows' counts as one (a cell's steps, a job's); the later window's limit wins."""
+    out = zero()
+    for counts in (a, b):
+        for k in COUNTS:
+            out[k] += int((counts or {}).get(k, 0))
+        if (counts or {}).get("limit_name"):
+            out["limit_name"], out["limit"] = counts["limit_name"], counts.get("limit")
+    return out
+
+
+def as_floats(counts: dict) -> list[float]:
+    """A window's counts as a fixed-length list of floats (`from_floats` reads it back): what a job's
+    ranks all-gather for result.json."""
+    name = counts.get("limit_name")
+    return [float(counts.get(k, 0)) for k in COUNTS] + [
+        float(LIMIT_NAMES.index(name)) if name in LIMIT_NAMES else -1.0,
+        float(counts["limit"]) if counts.get("limit") is not None else -1.0]
+
+
+def from_floats(values: list[float]) -> dict:
+    out = {k: int(round(v)) for k, v in zip(COUNTS, values)}
+    name, limit = (int(round(v)) for v in values[len(COUNTS):len(COUNTS) + 2])
+    if 0 <= name < len(LIMIT_NAMES):
+        out["limit_name"], out["limit"] = LIMIT_NAMES[name], limit if limit >= 0 else None
+    return out
+
+
+def _n(k: int, one: str, many: str | None = None) -> str:
+    return f"{k} {one if k == 1 else (many or one + 's')}"
+
+
+def compile_notes(per_rank: dict | None, fell_back_only: bool = False) -> list[str]:
+    """In words, per rank (`per_rank`: a timeline's `meta["compile"]` or result.json's `compile`, keyed
+    by rank, str or int): where a compiled stage did not run compiled (frames that fell back to
+    eager, at a recompile limit or not), then, unless `fell_back_only`, its recompiles and graph
+    breaks. [] when dynamo did nothing of the kind."""
+    notes = []
+    for rank, c in sorted((per_rank or {}).items(), key=lambda kv: int(kv[0])):
+        at_limit, fell = int(c.get("at_limit", 0)), int(c.get("fell_back", 0))
+        if at_limit:
+            name = c.get("limit_name") or "recompile_limit"
+            value = f" = {c['limit']}" if c.get("limit") is not None else ""
+            notes.append(f"rank {rank}: {_n(at_limit, 'frame')} recompiled until dynamo's limit "
+                         f"(torch._dynamo.config.{name}{value}) and then ran eagerly: the compiled code never ran "
+                         f"for inputs that needed a new version (raise the limit, or make what changes a tensor "
+                         f"or dynamic)")
+        if fell > at_limit:
+            notes.append(f"rank {rank}: {_n(fell - at_limit, 'frame')} that dynamo could not compile ran eagerly "
+                         f"(TORCH_LOGS=graph_breaks says why)")
+        if fell_back_only:
+            continue
+        if c.get("recompiles"):
+            notes.append(f"rank {rank}: {_n(int(c['recompiles']), 'recompile')} (a guard failed: a shape or a "
+                         f"Python value changed); each one's compile time is inside the action that ran it")
+        if c.get("graph_breaks"):
+            notes.append(f"rank {rank}: {_n(int(c['graph_breaks']), 'graph break')}: its compiled code ran as "
+                         f"several graphs with Python between them (TORCH_LOGS=graph_breaks says where)")
+    return notes

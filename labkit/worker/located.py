@@ -1,0 +1,102 @@
+"""What a failed check says: stage values held against the unsplit model's before anything else
+(`stage_values`, `value_diff`), and where the step departs (`located_step`: each stage replayed by
+labkit.worker.boundaries against a float64 run of the whole unsplit model; `say`: the sentence, for
+check_step and check_stages alike).
+
+May import: torch, labkit.worker (noise, boundaries)."""
+
+from __future__ import annotations
+
+import torch
+
+from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modules, replay_stage, sentence,
+                         stage_names, stage_rename, step_loss, up64)
+from .noise import Figure, travel_hint
+
+
+def say(departures: list[Departure], figures: list[Figure], said: str, reference: str = "the unsplit model") -> str:
+    """The localisation first (or, when every stage computes as `reference`, what travelled wrong), then
+    what the figures show (`said`)."""
+    where = sentence(departures)
+    if not any(d.what != "unreplayed" for d in departures):
+        where = "; ".join(x for x in (where, f"every stage computes as {reference} when replayed on the reference's "
+                                      f"input at its cut (float64): " + travel_hint(figures)) if x)
+    return f"{where}. Figures: {said}" if said else where
+
+
+def located_step(c, figures: list[Figure], said: str) -> str:
+    """check_step's failure localised (collective): the boundary figures are added to `figures`."""
+    departures, boundary = localise_full(c)
+    figures += boundary
+    return say(departures, figures, said)
+
+
+def localise_full(c) -> tuple[list[Departure], list[Figure]]:
+    """Collective over the pipeline (check_step's `_Call` c, the whole unsplit model on every rank):
+    this rank's stages replayed against a float64 run of the unsplit model; every rank gets every
+    rank's departures and boundary figures."""
+    import torch.distributed as dist
+
+    from .noise import reference_copy
+
+    renames = {int(s.stage_index): stage_rename(s, c.prefix_stage_index, c.renamed) for s in c.stages}
+    mine = {k: held_modules(s.submod, renames[k]) for s in c.stages for k in [int(s.stage_index)]}
+    held = [None] * dist.get_world_size(c.group)
+    dist.all_gather_object(held, mine, group=c.group)
+    names = {k: set(v) for h in held for k, v in h.items()}
+    deps, figs = [], []
+    try:
+        full64 = reference_copy(c.full).double().to(c.device)
+        ref = Recorder(full64, keep_grad=True)
+        x64, kw64, y64 = up64(c.x), {k: up64(v) for k, v in (c.kwargs or {}).items()}, up64(c.y)
+        with torch.enable_grad():
+            out = first_tensor(full64(x64, **kw64))
+            loss = step_loss(c.loss_fn, y64, c.n_microbatches, c.chunk_dim) if c.loss_fn is not None else None
+            if loss is not None:
+                loss(out).backward()
+        ref.remove()
+    except Exception as e:  # noqa: BLE001
+        deps = [Departure(int(s.stage_index), "unreplayed", "", detail="the unsplit model in float64: " + _why(e))
+                for s in c.stages]
+    else:
+        truth = {n: p.grad for n, p in full64.named_parameters() if p.grad is not None}
+        entry = {k: next((key for key in ref.inputs if key[0] in v), None) for k, v in names.items()}
+        n_stages = max(names) + 1
+        for s in c.stages:
+            k = int(s.stage_index)
+            nxt = ref.inputs.get(entry.get(k + 1)) if k + 1 < n_stages else None
+            a_in = x64 if k == 0 else ref.inputs.get(entry[k])
+            if a_in is None:
+                deps.append(Departure(k, "unreplayed", "", detail="its input in the unsplit model was not found"))
+                continue
+            cut = Cut(a_in, kw64, out.detach() if k + 1 == n_stages else (nxt.detach() if nxt is not None else None),
+                      None if nxt is None else nxt.grad, loss if k + 1 == n_stages else None)
+            dep, f = replay_stage(k, s.submod, renames[k], cut, ref, truth, backward=loss is not None)
+            deps += [dep] if dep is not None else []
+            figs += f
+    gathered = [None] * dist.get_world_size(c.group)
+    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=c.group)
+    return ([Departure(**d) for ds, _ in gathered for d in ds], [Figure(**f) for _, fs in gathered for f in fs])
+
+
+def stage_values(c) -> list[str]:
+    """This rank's stage parameters whose values are not the unsplit model's (cast to the stage's dtype,
+    exactly): a weight loaded or copied wrong, named before any gradient. Sharded parameters (DTensor)
+    are left to the gradients."""
+    params = dict(c.full.named_parameters(remove_duplicate=False))
+    out = []
+    for s in c.stages:
+        for _, name, p in stage_names(s, c.prefix_stage_index):
+            r = params.get(c.tied.get(name, c.renamed.get(name, name)))
+            if r is not None and r.shape == p.shape and (diff := value_diff(p, r)) > 0:
+                out.append(f"stage {s.stage_index}'s {name!r} (max diff {diff:.2g})")
+    return out
+
+
+def value_diff(mine: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |mine - ref cast to mine's dtype|: 0 for a parameter that holds the reference's values (a
+    cast copy included); 0 too for a sharded one (DTensor: left to the gradients)."""
+    if hasattr(mine, "full_tensor") or hasattr(ref, "full_tensor") or not ref.numel() or mine.shape != ref.shape:
+        return 0.0
+    m = mine.detach().to(ref.device)
+    return float((m.double() - ref.detach().to(m.dtype).double()).abs().max())

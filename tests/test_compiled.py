@@ -1,0 +1,180 @@
+"""What torch.compile actually ran (labkit.spans.compiled): dynamo's counts over a window, read from
+synthetic snapshots (no process, no compile), carried on a step's spans line into a timeline's
+`meta["compile"]` and an idle report's words; and on a live 2-rank Schedule1F1B step, a compiled stage
+that ran compiled against one that recompiled past a limit of 1 and fell back to eager."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import module_pool
+from labkit.spans import compile_notes, compiled, explain_idle_spans, read_spans, timeline_from_spans
+from labkit.spans import recorder as recorder_mod
+
+LIMIT_TEXT = ("Dynamo recompile limit exceeded\n  Explanation: ... exceeding the recompile_limit cache size limit "
+              "(currently set to 8). ...\n\n  Developer debug context: Limit type: recompile_limit")
+
+
+def state(total=0, ok=0, graphs=0, breaks=0, compiles=None, hits=None, limits=None) -> dict:
+    """A snapshot as `labkit.versions.dynamo_counters` gives it."""
+    return {"frames_total": total, "frames_ok": ok, "graphs": graphs, "graph_breaks": breaks,
+            "compiles": dict(compiles or {}), "limit_hits": dict(hits or {}), "limits": dict(limits or {})}
+
+
+def test_a_window_counts_compiles_recompiles_breaks_and_frames_at_the_limit():
+    before = state(total=2, ok=2, graphs=2, compiles={0: 1, 1: 1})
+    # frame 0 recompiled 7 times, then met the limit (one more attempt, not compiled); frame 2 is new,
+    # compiled as 2 graphs around a break; frame 3 could not be compiled at all
+    after = state(total=13, ok=11, graphs=12, breaks=1, compiles={0: 9, 1: 1, 2: 1, 3: 1},
+                  hits={"recompile_limit": 1}, limits={"recompile_limit": 8})
+    d = compiled.delta(before, after)
+    assert d == {"frames": 9, "graphs": 10, "graph_breaks": 1, "recompiles": 7, "fell_back": 2, "at_limit": 1,
+                 "limit_name": "recompile_limit", "limit": 8}
+    assert compiled.delta(after, after) == compiled.zero() and not compiled.any_counts(compiled.zero())
+    assert compiled.delta(None, None) == compiled.zero()  # dynamo never imported: nothing to count
+    assert compiled.delta(None, state(total=1, ok=1, graphs=1, compiles={0: 1}))["frames"] == 1
+
+
+def test_a_reset_in_the_window_counts_what_came_after_it():
+    """torch._dynamo.reset() empties the per-frame counter and the graph-break list (frame ids start
+    again at 0); the counters go on."""
+    before = state(total=5, ok=5, graphs=6, breaks=3, compiles={0: 3, 1: 1, 2: 1})
+    after = state(total=7, ok=7, graphs=8, breaks=1, compiles={0: 2})  # frame 0 compiled, then recompiled once
+    d = compiled.delta(before, after)
+    assert (d["frames"], d["graphs"], d["graph_breaks"], d["recompiles"]) == (2, 2, 1, 1)
+
+
+def test_windows_add_and_travel_as_floats():
+    a = compiled.delta(state(), state(total=1, ok=1, graphs=1, compiles={0: 1}))
+    b = compiled.delta(state(total=1, ok=1, graphs=1, compiles={0: 1}),
+                       state(total=2, ok=1, graphs=1, compiles={0: 2}, hits={"recompile_limit": 1},
+                             limits={"recompile_limit": 1}))
+    both = compiled.add(a, b)
+    assert both == {"frames": 1, "graphs": 1, "graph_breaks": 0, "recompiles": 0, "fell_back": 1, "at_limit": 1,
+                    "limit_name": "recompile_limit", "limit": 1}
+    assert compiled.from_floats(compiled.as_floats(both)) == both
+    assert compiled.from_floats(compiled.as_floats(a)) == a  # no limit met: no limit fields
+
+
+def test_no_dynamo_no_work(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    assert compiled.snapshot() is None
+
+
+def test_the_notes_say_where_a_compiled_stage_ran_eagerly():
+    per_rank = {"0": {"frames": 2, "graphs": 2, "graph_breaks": 0, "recompiles": 0, "fell_back": 0, "at_limit": 0},
+                "1": {"frames": 8, "graphs": 9, "graph_breaks": 1, "recompiles": 7, "fell_back": 4, "at_limit": 3,
+                      "limit_name": "recompile_limit", "limit": 8}}
+    notes = compile_notes(per_rank)
+    assert notes[0] == ("rank 1: 3 frames recompiled until dynamo's limit (torch._dynamo.config.recompile_limit = 8) "
+                        "and then ran eagerly: the compiled code never ran for inputs that needed a new version "
+                        "(raise the limit, or make what changes a tensor or dynamic)")
+    assert notes[1].startswith("rank 1: 1 frame that dynamo could not compile ran eagerly")
+    assert notes[2].startswith("rank 1: 7 recompiles (a guard failed")
+    assert notes[3].startswith("rank 1: 1 graph break: ")
+    assert compile_notes(per_rank, fell_back_only=True) == notes[:2]
+    assert compile_notes({0: per_rank["0"]}) == [] and compile_notes(None) == []
+
+
+def test_a_step_carries_its_counts_into_the_timeline_and_the_idle_report(tmp_path, monkeypatch):
+    snaps = iter([state(),  # the recorder's start
+                  state(total=2, ok=1, graphs=1, compiles={0: 2}, hits={"recompile_limit": 1},
+                        limits={"recompile_limit": 1}),  # after step 0: compiled once, then met the limit
+                  state(total=2, ok=1, graphs=1, compiles={0: 2}, hits={"recompile_limit": 1},
+                        limits={"recompile_limit": 1})])  # after step 1: nothing new (it just ran eagerly)
+    monkeypatch.setattr(compiled, "snapshot", lambda: next(snaps))
+    r = recorder_mod.Recorder(tmp_path / "rank1.jsonl", rank=1)
+    for step in range(2):
+        r.begin_step("Schedule1F1B")
+        r.add("F", 1, 0, 10.0 * step, 10.0 * step + 1.0)
+        r.add("B", 1, 0, 10.0 * step + 2.0, 10.0 * step + 3.0)
+        r.end_step()
+    _, meta = read_spans(tmp_path)
+    assert list(meta[1]["compile"]) == [0]  # only the step in which dynamo did something says so
+    tl = timeline_from_spans(tmp_path)
+    assert tl.meta["compile"] == {"1": {"frames": 1, "graphs": 1, "graph_breaks": 0, "recompiles": 0, "fell_back": 1,
+                                        "at_limit": 1, "limit_name": "recompile_limit", "limit": 1}}
+    assert "compile" not in timeline_from_spans(tmp_path, which="last").meta  # the last step compiled nothing
+    # ... but the frame still runs eagerly there: the idle report of the last step says so
+    text = explain_idle_spans(tmp_path).text()
+    assert ("torch.compile, rank 1: 1 frame recompiled until dynamo's limit (torch._dynamo.config.recompile_limit "
+            "= 1) and then ran eagerly") in text
+
+
+def test_an_eager_step_records_no_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiled, "snapshot", lambda: None)
+    r = recorder_mod.Recorder(tmp_path / "rank0.jsonl", rank=0)
+    r.begin_step("ScheduleGPipe")
+    r.add("F", 0, 0, 0.0, 1.0)
+    r.end_step()
+    assert "compile" not in read_spans(tmp_path)[1][0] and "compile" not in timeline_from_spans(tmp_path).meta
+    assert explain_idle_spans(tmp_path).notes == []
+
+
+# ---- on live ranks: a compiled stage of a 2-rank Schedule1F1B step -----------------------------------------
+
+SETUP = """
+import torch, torch.nn as nn, torch._dynamo
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+class Steady(nn.Module):  # compiles once: same shapes, no Python value that changes
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+class Counting(nn.Module):  # a Python int it changes on every call: each call needs a new compiled version
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+def compiled_step(cls, limit=None):
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    torch._dynamo.reset()  # this module's frames start with no compiled versions
+    try:
+        if limit is not None:
+            setattr(cfg, name, limit)
+        torch.manual_seed(0)
+        stage = PipelineStage(torch.compile(cls(), backend="eager"), rank, 2, device)
+        sched = Schedule1F1B(stage, 4, loss_fn=nn.MSELoss())
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        sched.step(x) if rank == 0 else sched.step(target=y)
+    finally:
+        setattr(cfg, name, old)
+        torch._dynamo.reset()
+"""
+
+pool = module_pool(2, SETUP)
+
+
+@pytest.mark.launches
+def test_a_live_cell_says_whether_its_compiled_stage_ran_compiled(pool):
+    pool.exec("compiled_step(Steady)")
+    clean = pool.timeline().meta["compile"]
+    assert set(clean) == {"0", "1"}
+    for counts in clean.values():
+        assert counts["frames"] > 0 and counts["graphs"] > 0
+        assert counts["fell_back"] == 0 and counts["at_limit"] == 0
+    assert compile_notes(clean, fell_back_only=True) == []
+    assert "torch.compile" not in pool.idle().text()
+
+    pool.exec("compiled_step(Counting, limit=1)")
+    tl = pool.timeline()
+    fell = tl.meta["compile"]
+    for rank, counts in fell.items():
+        assert counts["fell_back"] >= 1 and counts["at_limit"] >= 1, (rank, counts)
+        assert counts["limit_name"] == "recompile_limit" and counts["limit"] == 1
+    notes = compile_notes(fell, fell_back_only=True)
+    assert [n.split(":")[0] for n in notes] == ["rank 0", "rank 1"]
+    assert all("recompiled until dynamo's limit (torch._dynamo.config.recompile_limit = 1) and then ran eagerly" in n
+               for n in notes)
+    assert notes[1] in pool.idle().text()
+    print(f"clean: {clean}\nat the limit: {fell}")

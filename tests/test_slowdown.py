@@ -1,0 +1,222 @@
+"""Why is this step slower (labkit.timeline.slowdown, issue 52): two measurements of one schedule, the
+change in their mean step time split into causes that add up to it exactly.
+
+The references are steps of known cause: the schedule's own simulation (`labkit.theory.simulate`,
+per-stage costs) with one stage's forwards made 1.6x as long, or every action stretched by time its
+rank spent without a CPU (spans with run-queue clocks, written to files as the ranks write them);
+and a hand-made step whose every piece of critical path is counted by hand. Pure logic: no process.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+
+from labkit.cli import main
+from labkit.core.actions import Action, Timeline
+from labkit.spans.read import Span, timeline_from_spans
+from labkit.theory import Cost, simulate
+from labkit.theory.cost import StageCosts
+from labkit.timeline import Slowdown, compute_steps, explain_slowdown
+from labkit.timeline.slowdown import CAUSES
+
+MS = 1e-3
+FIXTURES = Path(__file__).parent / "fixtures" / "pplogs"
+
+
+def steps(slow: float = 1.0, scale: float = 1.0, pp: int = 2, n_steps: int = 3, schedule: str = "1F1B",
+          link: float = 0.1 * MS):
+    """[(step, action)]: `n_steps` steps of `schedule` on `pp` ranks, 4 microbatches; stage 1's forwards
+    `slow` times as long, every action `scale` times (ms; `link` s between ranks, 1 ms between steps)."""
+    base = Cost(F=1 * MS * scale, B=2 * MS * scale)
+    one = simulate(schedule, pp, 4, 1, StageCosts(((1, Cost(F=slow * MS * scale, B=2 * MS * scale)),), base,
+                                                  p2p=link))
+    period = one.metrics()["makespan"] + MS
+    return [(k, a._replace(start=a.start + k * period, end=a.end + k * period))
+            for k in range(n_steps) for a in one.actions]
+
+
+def timeline(**kw) -> Timeline:
+    acts = steps(**kw)
+    return Timeline([a for _, a in acts], "theory", {"steps": 1 + max(k for k, _ in acts)})
+
+
+def write_spans(folder, acts, queued_share: float = 0.0, clocks: bool = True, waits: bool = False):
+    """Spans files of `acts` as the ranks write them (spans/rank<N>.jsonl): each compute span with its
+    run-queue clock (`queued_share` of it without a CPU), or none (`clocks=False`: older files, CUDA);
+    with `waits`, a wait for a receive in each gap before an action (where torch waits for its input)."""
+    (folder / "spans").mkdir(parents=True)
+    for rank in sorted({a.rank for _, a in acts}):
+        level, lines, free = 0.0, [{"meta": {"rank": rank, "clock": "host (time.time)"}}], acts[0][1].start
+        for k, a in sorted(((k, a) for k, a in acts if a.rank == rank), key=lambda x: x[1].start):
+            if waits and a.start > free:
+                lines.append({"rank": rank, "step": k, "kind": "WAIT", "stage": -1, "mb": -1, "what": "recv",
+                              "start": free, "end": a.start, **({"rq": [level, level]} if clocks else {})})
+            free = a.end
+            row = {"rank": rank, "step": k, "kind": a.kind, "stage": a.stage, "mb": a.microbatch,
+                   "start": a.start, "end": a.end}
+            if clocks:
+                row["rq"] = [level, level + queued_share * a.duration]
+                level += queued_share * a.duration
+            lines.append(row)
+        (folder / "spans" / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder
+
+
+def adds_up(s: Slowdown) -> None:
+    """Each side's causes are its step time, so the causes' changes are the step's change."""
+    known = [c for c in CAUSES if s.causes[c][0] is not None]
+    for side, total in ((0, s.before), (1, s.after)):
+        assert sum(s.causes[c][side] for c in known) == pytest.approx(total, rel=1e-12, abs=1e-15)
+        assert sum(v[side] for v in s.by_stage.values()) == pytest.approx(s.causes["compute"][side], abs=1e-15)
+    assert sum(s.delta[c] for c in known) == pytest.approx(s.after - s.before, rel=1e-9, abs=1e-15)
+    assert all(s.causes[c][i] >= -1e-15 for c in known for i in (0, 1))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_a_slower_stage_is_its_own_compute_wherever_it_sits(pp, schedule):
+    """Stage 1 is the last of 2 stages, a middle one of 4: its forwards show as ITS compute, not as the
+    waiting of the rank that ends the step (rank 0's last backward)."""
+    before, after = timeline(pp=pp, schedule=schedule), timeline(slow=1.6, pp=pp, schedule=schedule)
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    steps_b = [t.metrics()["makespan"] for t in compute_steps(before)]
+    assert s.before == pytest.approx(sum(steps_b) / len(steps_b))
+    assert s.main == "compute" and s.after > s.before
+    assert max(s.by_stage, key=lambda k: s.by_stage[k][1] - s.by_stage[k][0]) == (1, "F")
+    assert s.per_action[(1, "F")] == pytest.approx((1 * MS, 1.6 * MS))
+    assert "stage 1's forwards take 1.6x as long" in s.text() and "the code" in s.text()
+    assert s.causes["machine"] == (None, None) and any("no scheduler clocks" in n for n in s.notes)
+
+
+def test_a_busy_machine_is_the_machine_not_the_code(tmp_path):
+    """After: every action 1.5x as long, the extra all run-queue time (its rank waited for a CPU)."""
+    before = write_spans(tmp_path / "quiet", steps(), queued_share=0.0)
+    after = write_spans(tmp_path / "busy", steps(scale=1.5), queued_share=1 / 3)
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert s.main == "machine" and s.delta["machine"] > 0.9 * (s.after - s.before)
+    assert s.delta["compute"] == pytest.approx(0.0, abs=1e-12)
+    assert s.per_action[(0, "B")] == pytest.approx((2 * MS, 2 * MS))
+    assert "for a CPU: the machine, not your code" in s.text()
+    # the same spans read as timelines keep each action's descheduled time: the same verdict, and a note
+    t = explain_slowdown(timeline_from_spans(before), timeline_from_spans(after))
+    adds_up(t)
+    assert t.main == "machine" and t.delta["machine"] == pytest.approx(s.delta["machine"])
+    assert any("pass its run directory" in n for n in t.notes)
+
+
+def test_a_slower_link_is_communication(tmp_path):
+    """After: 0.5 ms between ranks instead of 0.1 ms; the receiving rank waits for the data in flight."""
+    before = write_spans(tmp_path / "a", steps(), waits=True)
+    after = write_spans(tmp_path / "b", steps(link=0.5 * MS), waits=True)
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert s.main == "communication" and s.delta["compute"] == pytest.approx(0.0, abs=1e-12)
+    assert s.delta["communication"] == pytest.approx(s.after - s.before)
+    assert "sends and receives on the critical path took" in s.text()
+    # a timeline from the logs has no waits in it: the same time is in no span, waiting
+    t = explain_slowdown(timeline(), timeline(link=0.5 * MS))
+    assert t.main == "waiting" and t.delta["waiting"] == pytest.approx(s.delta["communication"])
+
+
+@pytest.mark.parametrize("schedule", ["GPipe-p4-m8", "Interleaved1F1B-p2-m4", "ZBVZeroBubble-p4-m8"])
+def test_two_real_runs_add_up(schedule):
+    """The same schedule's PP logs from two torch releases (tests/fixtures/pplogs): every cause read,
+    none left over."""
+    s = explain_slowdown(FIXTURES / "2.13.0" / schedule, FIXTURES / "2.15.0" / schedule)
+    adds_up(s)
+    assert s.before > 0 and s.after > 0 and s.text().startswith("The step takes")
+
+
+def test_without_scheduler_clocks_the_machine_is_unknown_not_zero(tmp_path):
+    before = write_spans(tmp_path / "a", steps(), clocks=False)
+    after = write_spans(tmp_path / "b", steps(scale=1.5), queued_share=1 / 3)  # one side with clocks is not enough
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert s.causes["machine"] == (None, None) and s.delta["machine"] is None
+    assert s.main == "compute"  # what it can compare: the actions, descheduling and all
+    assert any(n.startswith("before: no scheduler clocks in its spans") for n in s.notes)
+    assert any(n.startswith("machine: unknown") for n in s.notes)
+    assert "unknown" in s.table().splitlines()[2]
+
+
+def test_each_moment_of_the_critical_path_has_one_cause(tmp_path):
+    """Rank 0: F 0-1. Rank 1: waits for its input 0-1.3, posts its receive 1.0-1.1, the kit's own 0.05 s
+    before its F (1.4-2.4); its run-queue clock gains 0.01 s in the wait, 0.03 s in 1.3-1.4, 0.1 s in F.
+    The path: rank 0's F, then on rank 1 the hop 1.0-1.4 (rank 0's F is done: the wait's rest is the
+    data in flight, communication), rank 1's F."""
+    spans = [Span(0, 0, "F", 0, 0, 0.0, 1.0, rq=(0.0, 0.0)),
+             Span(1, 0, "WAIT", -1, -1, 0.0, 1.3, "recv", rq=(0.0, 0.02)),
+             Span(1, 0, "RECV", -1, -1, 1.0, 1.1, rq=(0.01, 0.01)),
+             Span(1, 0, "F", 1, 0, 1.4, 2.4, pre=0.05, rq=(0.05, 0.15))]
+    quiet = [x._replace(rq=(0.0, 0.0)) for x in spans]
+    s = explain_slowdown(as_files(tmp_path / "quiet", quiet), as_files(tmp_path / "busy", spans))
+    adds_up(s)
+    machine = 0.1 + 0.01 + 0.03  # inside F; in the wait after the post; 1.3-1.4 (kit and the rest), linear
+    assert s.causes["machine"] == pytest.approx((0.0, machine))
+    assert s.causes["compute"] == pytest.approx((2.0, 1.9))
+    assert s.causes["communication"] == pytest.approx((0.1 + 0.2, 0.1 + 0.2 - 0.01))
+    assert s.causes["kit"] == pytest.approx((0.05, 0.05 - 0.015))
+    assert s.causes["waiting"] == pytest.approx((0.05, 0.05 - 0.015))  # 1.3-1.35: in no span
+    assert {k: pytest.approx(v) for k, v in s.by_stage.items()} == {(0, "F"): (1.0, 1.0), (1, "F"): (1.0, 0.9)}
+
+
+def as_files(folder, spans):
+    """Hand-made spans written as spans files, read back by the same reader as a run's."""
+    (folder / "spans").mkdir(parents=True)
+    for rank in sorted({x.rank for x in spans}):
+        rows = [{"rank": x.rank, "step": x.step, "kind": x.kind, "stage": x.stage, "mb": x.mb, "start": x.start,
+                 "end": x.end, "what": x.what, "pre": x.pre, "post": x.post, "rq": list(x.rq)}
+                for x in spans if x.rank == rank]
+        (folder / "spans" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_rounds_give_the_spread_of_one_rounds_change():
+    before = [timeline() for _ in range(3)]
+    after = [timeline(slow=f) for f in (1.5, 1.6, 1.7)]
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert s.rounds == 3
+    one = [explain_slowdown(b, a).after - explain_slowdown(b, a).before for b, a in zip(before, after)]
+    assert s.spread["step"] == pytest.approx((min(one), max(one))) and min(one) > 0
+    assert s.after - s.before == pytest.approx(sum(one) / 3)
+    assert "every round agrees" in s.text()
+    mixed = explain_slowdown([timeline(), timeline(slow=1.6)], [timeline(slow=1.6), timeline()])
+    assert "disagree" in mixed.text()
+    with pytest.raises(ValueError, match="as many rounds before as after"):
+        explain_slowdown(before, after[:2])
+
+
+def test_the_plot_stacks_both_sides_by_cause():
+    s = explain_slowdown(timeline(), timeline(slow=1.6))
+    fig = Figure()
+    ax = fig.subplots()
+    artists = s.plot(ax)
+    bars = artists[:-1]  # one stack per known cause, then the legend
+    assert [b.get_label() for b in bars] == ["compute", "waiting", "communication"]
+    tops = [sum(b.patches[i].get_height() for b in bars) for i in (0, 1)]
+    assert tops == pytest.approx([1e3 * s.before, 1e3 * s.after])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["before", "after"]
+
+
+def test_labkit_timeline_compare_prints_the_verdict_and_draws_it(tmp_path, capsys):
+    before = write_spans(tmp_path / "quiet", steps(), queued_share=0.0)
+    after = write_spans(tmp_path / "busy", steps(scale=1.5), queued_share=1 / 3)
+    png = tmp_path / "why.png"
+    assert main(["timeline", "--compare", str(before), str(after), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "the machine, not your code" in out and out.count("\n") > len(CAUSES)
+    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["cause", "step"]
+    assert png.stat().st_size > 0
+    assert main(["timeline", "--compare", str(before)]) == 2
+    assert "two runs, BEFORE then AFTER" in capsys.readouterr().err
+
+
+def test_a_timeline_without_compute_is_refused():
+    empty = Timeline([Action(0, 0, -1, "SEND", 0.0, 1.0)], "spans")
+    with pytest.raises(ValueError, match="no compute actions"):
+        explain_slowdown(empty, timeline())
