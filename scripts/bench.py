@@ -2,6 +2,7 @@
 
     python3 scripts/dev.py bench            # full run: bench/results.json + bench/RESULTS.md
     .venv/bin/python scripts/bench.py --quick   # a small, fast subset
+    python3 scripts/dev.py bench --only check   # one section alone (here the check's cost), the rest kept
 
 Dev tooling, not part of what a learner imports: it imports labkit, and finds the repository (its
 fixtures, notebooks and scripts) from its own place in it, scripts/bench.py.
@@ -17,7 +18,8 @@ pair, because these machines are noisy: never compare absolute times across runs
    log -> timeline path beside it;
 5. the notebook suite under nbval (wall time);
 6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control);
-7. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
+7. the check's cost: check_step and check_stages beside the step they check, time and peak memory per rank;
+8. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
 """
 
 from __future__ import annotations
@@ -448,6 +450,205 @@ def live_ranks(n: int = 5, round_trips: int = 50) -> dict:
             "empty_cell_max_ms": 1000 * max(trips), "round_trips": round_trips}
 
 
+# The check's cost: one 1F1B step on 2 CPU ranks, then check_step (the whole model on every rank) and check_stages
+# (each rank's slices only) on it, each call's wall time, CPU time and peak memory per rank, on a warm pool.
+CHECK_HEADING = "labkit/worker/stagewise.py and boundaries.py: the check's cost"
+CHECK_MODELS = {"small_lm": {"dim": 256, "n_blocks": 8, "batch": 16, "seq": 64},
+                "llama": {"dim": 256, "n_blocks": 8, "batch": 16, "seq": 64}}
+CHECK_SETUP = textwrap.dedent("""
+    import ctypes, dataclasses, gc, re, time
+    import torch, torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    import labkit, labkit.worker
+
+    M = 4  # microbatches
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())
+
+    def rss():
+        # (resident bytes, their high-water mark) of this process
+        s = open("/proc/self/status").read()
+        return tuple(int(re.search(k + r":\\s+(\\d+) kB", s).group(1)) * 1024 for k in ("VmRSS", "VmHWM"))
+
+    def measured(fn):
+        # fn()'s value, wall and CPU time (the rank's threads) and peak resident bytes above what the rank held
+        # just before (what was free handed back to the system first, so that the call cannot reuse it unseen)
+        gc.collect(); ctypes.CDLL(None).malloc_trim(0); dist.barrier()
+        before = rss()[0]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from the resident set now
+        t, cpu = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, {"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu, "peak_bytes": rss()[1] - before}
+
+    def small_lm_parts(dim, n_blocks, batch, seq):
+        from labkit.models.small_lm import cut, lm_loss, small_lm
+        blocks = list(range(rank * n_blocks // 2, (rank + 1) * n_blocks // 2))  # halves: stage = rank
+        first, last = rank == 0, rank == 1
+        full = small_lm(n_blocks, dim=dim)
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 128, (batch, seq), generator=g) for _ in range(2))
+        return dict(full=full, stage=cut(full, blocks, first, last), slice=small_lm(blocks=blocks, first=first,
+                    last=last, dim=dim), x=x, y=y, kw={}, loss_fn=lm_loss, bug=f"blocks.{n_blocks - 1}.down")
+
+    def llama_parts(dim, n_blocks, batch, seq):
+        from labkit.config.presets import PRESETS
+        from labkit.models import hf
+        pre = dataclasses.replace(PRESETS["small"], dim=dim, n_layers=n_blocks, batch_size=batch, seq_len=seq)
+        bounds = [0, n_blocks // 2, n_blocks]
+        x, y, kw = hf.make_batch("llama", pre, batch, 0)
+        return dict(full=hf.meta_stage("llama", pre, 0, [0, n_blocks], device),
+                    stage=hf.meta_stage("llama", pre, rank, bounds, device),
+                    slice=hf.meta_stage("llama", pre, rank, bounds, device), x=x, y=y, kw=kw, loss_fn=hf.loss_fn,
+                    bug=f"model.layers.{n_blocks - 1}.mlp.down_proj")
+
+    def prepare(model, **sizes):
+        # this rank's stage, its slice and the whole model; the bytes of parameters each holds
+        global P, SCHED
+        P = None; gc.collect()
+        P = {"small_lm": small_lm_parts, "llama": llama_parts}[model](**sizes)
+        P["pipe"] = PipelineStage(P["stage"], rank, 2, device)
+        SCHED = Schedule1F1B(P["pipe"], M, loss_fn=P["loss_fn"])
+        return {k: size(P[k]) for k in ("stage", "full", "slice")}
+
+    def step():
+        P["stage"].zero_grad(set_to_none=True)  # the step allocates its gradients, as after an optimizer's step
+        losses = []
+        SCHED.step(P["x"], **P["kw"]) if rank == 0 else SCHED.step(target=P["y"], losses=losses, **P["kw"])
+        return losses
+
+    def one_round(order, bug=False):
+        # a step, then both checks of it in `order`; with `bug`, a 1% error in one module of the last stage
+        hook = P["stage"].get_submodule(P["bug"]).register_forward_hook(lambda m, a, o: o * 1.01) \\
+            if bug and rank == 1 else None
+        out = {}
+        losses, out["step"] = measured(step)
+        args = ([P["pipe"]], P["x"], P["y"], losses, M, P["loss_fn"])
+        checks = {"check_step": lambda: labkit.check_step(P["full"], *args, kwargs=P["kw"]),
+                  "check_stages": lambda: labkit.worker.check_stages({rank: P["slice"]}, *args, kwargs=P["kw"])}
+        for name in order:
+            check, out[name] = measured(checks[name])
+            out[name]["ok"] = check.ok
+        if hook is not None:
+            hook.remove()
+        return out
+""")
+CHECKS = ("check_step", "check_stages")
+CHECK_PHASES = ("step", *CHECKS)
+
+
+def _medians(rounds: list[dict]) -> dict:
+    """{phase: median seconds, CPU seconds and peak bytes over the rounds, and in how many the check passed}."""
+    return {p: {**{k: statistics.median(r[p][k] for r in rounds) for k in ("s", "cpu_s", "peak_bytes")},
+                **({"passed": sum(r[p]["ok"] for r in rounds)} if "ok" in rounds[0][p] else {})}
+            for p in CHECK_PHASES if p in rounds[0]}
+
+
+def check_cost(models: dict = CHECK_MODELS, repeats: int = 5, failing: int = 3) -> dict:
+    """Per rank, the wall time and peak memory of one 1F1B step (2 CPU ranks, 4 microbatches) and of
+    `check_step` and `check_stages` on it, medians of `repeats` rounds (the checks' order alternating),
+    each model on the same warm pool; then `failing` rounds with a 1% error planted in one module of the
+    last stage (the checks fail and replay each stage in float64, labkit.worker.boundaries)."""
+    from labkit.ranks import Ranks
+
+    orders = [("check_step", "check_stages"), ("check_stages", "check_step")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Ranks(nproc=2, device="cpu", runs_root=tmp, live="print") as pool:
+        run = lambda call: pool.exec(call, timeout=600)  # noqa: E731
+        microbatches = run(CHECK_SETUP + "M")[0]
+        for model, sizes in models.items():
+            held = run(f"prepare({model!r}, **{sizes!r})")
+            if WARM_UP:
+                run(f"one_round({orders[0]!r})")
+            good = [run(f"one_round({orders[i % 2]!r})") for i in range(repeats)]
+            bad = [run(f"one_round({orders[i % 2]!r}, bug=True)") for i in range(failing)]
+            ranks = {str(r): {"held_bytes": held[r], **_medians([g[r] for g in good]),
+                              **({"failing": _medians([b[r] for b in bad])} if bad else {})} for r in sorted(held)}
+            wrong = [f"rank {r}: {p}" for r, v in ranks.items() for p in CHECKS
+                     if v[p]["passed"] < repeats or v.get("failing", {}).get(p, {}).get("passed")]
+            if wrong:
+                raise RuntimeError(f"{model}: a check passed with the planted bug or failed without it: {wrong}")
+            rows.append({"model": model, **sizes, "microbatches": microbatches, "ranks": ranks})
+    return {"models": rows, "repeats": repeats, "failing": failing}
+
+
+def _span(values, unit: str = "x") -> str:
+    """'1.2-3.4x' (the smallest and largest of `values`), or '1.2x' when they read the same."""
+    lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def _check_cost_rows(cc: dict | None) -> list[str]:
+    """RESULTS.md's section of the check's cost: how it was measured, a reading, a row per model and rank."""
+    if not cc:
+        return []
+    ranks = [(m, r, v) for m in cc["models"] for r, v in m["ranks"].items()]
+    return ["", f"## {CHECK_HEADING}", "", _check_cost_how(cc), "", _check_cost_reading(cc, [v for _, _, v in ranks]),
+            "", "| model | rank | held: stage / whole model / slice | step: time, peak | check_step: time (x step), "
+            "peak (x step) | check_stages: time (x step), peak (x step) | failing check_step: time above passing, peak "
+            "| failing check_stages: time above passing, peak |", "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *(_check_cost_row(m["model"], r, v) for m, r, v in ranks)]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2 ** 20:.0f} MB"
+
+
+def _check_cost_how(cc: dict) -> str:
+    models = "; ".join(f"{m['model']} (dim {m['dim']}, {m['n_blocks']} blocks, batch {m['batch']} x seq {m['seq']}"
+                       + (", every part materialised from meta" if m["model"] == "llama" else "") + ")"
+                       for m in cc["models"])
+    when = f"; measured {cc['date']}, torch {cc['torch']}" if cc.get("date") else ""
+    if cc.get("load"):
+        when += (f", load average {cc['load'][0]} at the start and {cc['load'][1]} at the end on {os.cpu_count()} "
+                 "cores (other work shares them: wall times scatter, CPU times less)")
+    return (f"One 1F1B step on 2 CPU ranks (gloo, {cc['models'][0]['microbatches']} microbatches, a warm "
+            "`labkit.Ranks` pool), then `labkit.check_step` and `labkit.worker.check_stages` of it, per rank: wall "
+            f"time, CPU time (the rank's threads) and peak memory, medians of {cc['repeats']} rounds (the checks' "
+            f"order alternating){when}. Models: {models}. Peak memory is the rank process's resident set (RSS) "
+            "high-water mark during the call minus its RSS just before (Linux VmHWM, reset through "
+            "/proc/self/clear_refs, after gc.collect() and malloc_trim(0) handed back what was free): what the call "
+            "adds to what the rank holds. The step's includes its gradients (set to None before it) and "
+            "activations. 'held': the parameters' bytes of the rank's stage, of the whole model check_step needs on "
+            "every rank, and of the slice check_stages needs instead; held before the call, so not in its peak.")
+
+
+def _check_cost_reading(cc: dict, ranks: list[dict]) -> str:
+    """The paragraph that reads the table, its figures the smallest and largest over models and ranks."""
+    ratio = lambda a, b, k: _span([v[a][k] / v[b][k] for v in ranks])  # noqa: E731
+    text = (f"Reading: check_step took {ratio('check_step', 'step', 's')} the step's wall time and "
+            f"{ratio('check_step', 'step', 'peak_bytes')} its peak; check_stages {ratio('check_stages', 'step', 's')} "
+            f"and {ratio('check_stages', 'step', 'peak_bytes')}. check_step runs the whole model on every rank three "
+            "times on the whole batch (whole batch, microbatched, and a float64 copy); its peak is mostly those "
+            "references' activations (the float64 run's at twice float32's bytes), far above the parameters' "
+            "bytes. check_stages runs the same three references on each rank's slice only (a float64 copy of the "
+            f"slice), chained along the pipeline: its peak was {ratio('check_stages', 'check_step', 'peak_bytes')} "
+            f"of check_step's and its CPU time {ratio('check_stages', 'check_step', 'cpu_s')}, since it follows the "
+            f"stage, not the model; its wall time {ratio('check_stages', 'check_step', 's')}, since a rank waits "
+            "while the other runs its part of the chain, where check_step's ranks compute side by side.")
+    if not cc.get("failing"):
+        return text
+    cpu = [_span([v["failing"][p]["cpu_s"] - v[p]["cpu_s"] for v in ranks], " s") + f" of CPU to {p}" for p in CHECKS]
+    rounds = f"medians of {cc['failing']} rounds" if cc["failing"] > 1 else "one round"
+    return text + (f" Failing ({rounds}, a 1% error planted in one module of the last stage "
+                   "by a forward hook): the checks then replay each stage in float64, every module's input and output "
+                   "held against the reference's (labkit.worker.boundaries, located), which added "
+                   f"{' and '.join(cpu)}, at "
+                   + " and ".join(_span([v["failing"][p]["peak_bytes"] / v[p]["peak_bytes"] for v in ranks])
+                                  for p in CHECKS) + " their passing peaks.")
+
+
+def _check_cost_row(model: str, rank: str, v: dict) -> str:
+    held, step = v["held_bytes"], v["step"]
+    check = lambda c: (f"{c['s']:.2f} s ({c['s'] / step['s']:.1f}x; CPU {c['cpu_s']:.2f} s), "  # noqa: E731
+                       f"{_mb(c['peak_bytes'])} ({c['peak_bytes'] / step['peak_bytes']:.1f}x)")
+    failed = lambda p, f: (f"+{f['s'] - v[p]['s']:.2f} s (CPU +{f['cpu_s'] - v[p]['cpu_s']:.2f} s), "  # noqa: E731
+                           f"{_mb(f['peak_bytes'])}" if f else "-")
+    return (f"| {model} | {rank} | {_mb(held['stage'])} / {_mb(held['full'])} / {_mb(held['slice'])} | "
+            f"{step['s']:.2f} s (CPU {step['cpu_s']:.2f} s), {_mb(step['peak_bytes'])} | {check(v['check_step'])} | "
+            f"{check(v['check_stages'])} | " + " | ".join(failed(p, v.get("failing", {}).get(p)) for p in CHECKS)
+            + " |")
+
+
 def notebook_suite() -> float:
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
@@ -633,6 +834,9 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     res["tutorial_vs_kit_ratio"], res["tutorial_vs_kit"] = tk["ratio"], tk
     say("zero-bubble paper's bubble rates vs the kit's simulator and search")
     res["paper_comparison"] = paper_comparison(search_max_m=0 if quick else 32)
+    say("the check's cost: check_step and check_stages vs the step, per rank")
+    res["check_cost"] = check_cost({"small_lm": {"dim": 64, "n_blocks": 4, "batch": 8, "seq": 16}}, 1, 1) \
+        if quick else check_cost()
     say("gpu")
     g = gpu() if not quick else None
     res["gpu"] = g if g is not None else {"available": False, "reason": "no CUDA device on this machine"}
@@ -760,6 +964,7 @@ def markdown(res: dict) -> str:
     lines += [f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['measured_bubble']:.3f} | {r['ideal_bubble']:.3f} |" for r in f]
     lines += _instrument_rows(res.get("instrument_fidelity"))
     lines += _paper_rows(res.get("paper_comparison"))
+    lines += _check_cost_rows(res.get("check_cost"))
     return "\n".join(lines) + "\n"
 
 
@@ -770,7 +975,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(BENCH_DIR))
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
-                                                      "instruments", "paper", "launch", "startup"],
+                                                      "instruments", "paper", "launch", "startup", "check"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -791,6 +996,10 @@ def main(argv=None) -> int:
         if "spans" in a.only:
             so = spans_within_jobs()
             res["spans_overhead_ratio"], res["spans_overhead"] = so["spans"]["ratio"], {**so, "date": stamp}
+        if a.only == "check":
+            load = os.getloadavg()[0]
+            res["check_cost"] = {**check_cost(), "date": stamp, "torch": _torch(),
+                                 "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
         if "paper" in a.only:
             res["paper_comparison"] = {**paper_comparison(), "date": stamp}
         if "notebooks" in a.only:

@@ -172,3 +172,36 @@ def test_rewriting_results_keeps_the_hand_kept_figures(tmp_path):
     assert bench.kept_notes(path) == "\n" + bench.KEPT_HEADING + "\n\n### labkit/x.py\n\n1.5 s\n"
     repo_results = REPO / "bench" / "RESULTS.md"
     assert "### labkit/core/startup.py" in bench.kept_notes(repo_results)
+
+
+def _phase(s: float, mb: int, cpu: float | None = None, **kw) -> dict:
+    return {"s": s, "cpu_s": s if cpu is None else cpu, "peak_bytes": mb * 2 ** 20, **kw}
+
+
+def test_the_checks_cost_table_reads_each_check_against_the_step():
+    """One row per model and rank: time and peak beside the step's (x step), and the failing checks' extra."""
+    rank = {"held_bytes": {"stage": 12 * 2 ** 20, "full": 24 * 2 ** 20, "slice": 12 * 2 ** 20},
+            "step": _phase(0.5, 50), "check_step": _phase(3.0, 500, passed=3),
+            "check_stages": _phase(3.0, 250, cpu=1.5, passed=3),
+            "failing": {"step": _phase(0.5, 50), "check_step": _phase(5.0, 1500, passed=0),
+                        "check_stages": _phase(4.0, 1000, passed=0)}}
+    cc = {"models": [{"model": "small_lm", "dim": 256, "n_blocks": 8, "batch": 16, "seq": 64, "microbatches": 4,
+                      "ranks": {"0": rank, "1": rank}}], "repeats": 3, "failing": 1}
+    text = "\n".join(bench._check_cost_rows(cc))
+    assert f"## {bench.CHECK_HEADING}" in text and "VmHWM" in text
+    assert ("| small_lm | 0 | 12 MB / 24 MB / 12 MB | 0.50 s (CPU 0.50 s), 50 MB | 3.00 s (6.0x; CPU 3.00 s), "
+            "500 MB (10.0x) | 3.00 s (6.0x; CPU 1.50 s), 250 MB (5.0x) | +2.00 s (CPU +2.00 s), 1500 MB | "
+            "+1.00 s (CPU +2.50 s), 1000 MB |") in text
+    assert "its peak was 0.5x of check_step's and its CPU time 0.5x" in text and "Failing (one round" in text
+    assert bench._check_cost_rows(None) == [] and "| - | - |" in "\n".join(
+        bench._check_cost_rows({**cc, "failing": 0, "models": [{**cc["models"][0], "ranks": {"0": {
+            k: v for k, v in rank.items() if k != "failing"}}}]}))
+
+
+@pytest.mark.launches
+def test_the_checks_cost_runs_both_checks_on_a_real_step():
+    """On 2 warm ranks: a tiny small_lm's step, both checks passing, then failing with the planted bug."""
+    out = bench.check_cost({"small_lm": {"dim": 32, "n_blocks": 2, "batch": 8, "seq": 8}}, repeats=1, failing=1)
+    r0 = out["models"][0]["ranks"]["0"]
+    assert r0["check_step"]["passed"] == 1 and r0["failing"]["check_stages"]["passed"] == 0
+    assert r0["held_bytes"]["full"] > r0["held_bytes"]["slice"] and r0["check_step"]["s"] > 0

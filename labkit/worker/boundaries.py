@@ -336,8 +336,12 @@ def stage_rename(stage, prefix_stage_index: bool, renamed: dict):
 
 
 def held_modules(module: nn.Module, rename) -> list[str]:
-    """The reference's names of the modules of `module` that hold parameters (in it or below)."""
-    return [r for n, m in module.named_modules() if n and (r := rename(n)) and next(m.parameters(), None) is not None]
+    """The reference's names of the modules of `module` that hold parameters (in it or below), and of
+    the stage module itself where it is one of the reference's (a stage that is `full[1]`): its input is
+    the cut exactly, though its first child may hold none (a ReLU). Parameter-free modules are left out
+    otherwise: a helper every stage holds (rotary embeddings) would claim the first stage's cut."""
+    return [r for n, m in module.named_modules()
+            if (r := rename(n)) and (n == "" or next(m.parameters(), None) is not None)]
 
 
 def step_loss(loss_fn, y, n_microbatches: int, chunk_dim: int):

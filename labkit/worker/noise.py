@@ -24,7 +24,10 @@ tests/test_reference_runs.py) and far below what the known bugs read (tests/test
 figures are in bench/RESULTS.md, "labkit/worker/noise.py". Tensor parallelism is not modelled: its
 split sums put a pre-activation within rounding of 0 on the other side of a ReLU, a jump no
 reordering of the reference's own sums makes: TP keeps an absolute tolerance (RunConfig's 1e-3).
-bf16 resolves about 0.4%: a bug much below 1% can hide in its noise.
+Under bf16 a small bug shows or hides by where it enters, not by its size alone: a change that bf16
+rounds away in the activation it enters (a bias far smaller than that activation) reaches no loss:
+only its own gradient shows it, and that gradient's bf16 floor can be larger; one that survives the
+rounding moves every later loss (notebook 09b: the same 0.1% bias error hidden in one model, found in another).
 
 Where it went wrong (`where`): which microbatches' losses are outside, which stages' gradients, the
 largest ratios by the unsplit model's names, and what that pattern points to.
@@ -196,6 +199,11 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: tor
                          "cast once and its uses' gradients summed in bf16; run the step under "
                          "torch.autocast(..., cache_enabled=False), as the check's reference does, to compare")
     return "; ".join(lines)
+
+
+def within_noise(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> bool:
+    """Every tensor of the step within `multiple` times its floor."""
+    return all(f.ratio <= multiple for f in figures if f.kind in STEP_KINDS)
 
 
 def travel_hint(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:

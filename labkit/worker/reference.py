@@ -19,7 +19,7 @@ from . import located
 from .boundaries import stage_names
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
 from .noise import (NOISE_MULTIPLE, STEP_KINDS, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy,
-                    summary, where)
+                    summary, where, within_noise)
 from .shared import digest, is_shared, memo, module_key
 
 
@@ -362,7 +362,8 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     ok = bool(complete and not no_grad and not values and (within if c.tolerance is None else diff <= c.tolerance))
     notes = _notes(c, ok, figures, dropped, why)
     said = "" if ok else where(figures, autocast=c.autocast)
-    if not ok and complete and not no_grad and not values and diff != float("inf"):  # every rank: ok is the same
+    located_ = complete and not no_grad and not values and diff != float("inf") and not within_noise(figures)
+    if not ok and located_:  # every rank: ok is the same (a pass by float noise failed by a tolerance: nothing to find)
         said = located.located_step(c, figures, said)
     return Check(ok, diff, compared, expected, pipelined, list(ref.losses), ldiff, gmax, odiff, c.tolerance,
                  [r[5:] for r in per_rank], figures, NOISE_MULTIPLE, said, no_grad, notes, values)
