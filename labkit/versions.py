@@ -369,3 +369,24 @@ def dynamo_counters() -> dict:
             "graph_breaks": len(reasons) if reasons is not None else int(sum(counters.get("graph_break", {}).values())),
             "compiles": {k: int(v) for k, v in list(per_frame.items()) if isinstance(k, int)},
             "limit_hits": hits, "limits": limits}
+
+
+def clean_exit_is_done() -> None:
+    """In a warm launch's agent (labkit.launching.warm): a rank that ends by `os._exit(0)` (the kit's
+    `exit_now`, a live rank closed by its kernel) counts as finished. torch's MultiprocessContext (the
+    elastic agent's processes for a function entrypoint: torch/distributed/elastic/multiprocessing/
+    api.py, 2.11 to 2.15) waits for each process's return value, which such an exit never sends, and
+    would wait for ever; torchrun's subprocesses are judged by their exit code alone. Private API."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    if getattr(MultiprocessContext, "_labkit_clean_exit", False):
+        return
+
+    def _is_done(self) -> bool:
+        for i, p in enumerate(self._pc.processes if self._pc is not None else []):
+            if p.exitcode == 0:
+                self._return_values.setdefault(i, None)
+        return len(self._return_values) == self.nprocs
+
+    MultiprocessContext._is_done = _is_done
+    MultiprocessContext._labkit_clean_exit = True

@@ -17,6 +17,18 @@ RUN_DIR_VAR = "LABKIT_RUN_DIR"
 
 OWNER_VAR = "LABKIT_OWNER"
 
+INHERITED_FDS: frozenset[int] = frozenset()
+"""In a rank started warm (labkit.launching.warm: forked from the agent), the file descriptors it was
+born with: the agent's own sockets among them, which the rank must never shut down (a shutdown ends a
+connection for every process that shares it; labkit.ranks.rank.release_connections)."""
+
+
+def open_fds() -> frozenset[int]:
+    try:
+        return frozenset(int(fd) for fd in os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux
+        return frozenset()
+
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL): no orphans.

@@ -148,7 +148,7 @@ def error_message(run: Run, headline: str) -> str:
         parts.append(f"Last lines of rank {run.failed_rank}'s log ({run.rank_dir(run.failed_rank)}):")
         tail = run.tail(run.failed_rank) or "(empty)"
         parts.append(tail)
-        if TEARDOWN_ABORT in tail:
+        if TEARDOWN_ABORT in run.log(run.failed_rank, "stderr"):  # the abort's stack dump may push it out of the tail
             parts.append(TEARDOWN_HINT)
     elif run.status == "timeout":
         parts.append("Every rank's stack: stacks.txt in the run directory.")

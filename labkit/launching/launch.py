@@ -36,6 +36,7 @@ from .command import (
 )
 from .diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
 from .stop import descendants, die_with_parent, stop_job
+from .warm import warm_command
 from .rundir import LaunchError, Run, new_run_dir
 from .stream import STREAMS, Streamer
 from ..core.progress import Progress
@@ -189,7 +190,8 @@ def _prepare(spec: LaunchSpec) -> Run:
 def _start(spec: LaunchSpec, run: Run) -> subprocess.Popen:
     """torchrun, a child in its own session, its own output into launcher.log."""
     with open(run.run_dir / "launcher.log", "wb") as launcher_log:
-        return subprocess.Popen(run.command, stdout=launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        return subprocess.Popen(warm_command(run.command), stdout=launcher_log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
                                 env=job_env(run.run_dir, spec.env, spec.pp_logs, spec.single_node),
                                 preexec_fn=die_with_parent)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..launching.clean import kill_all
 from ..launching.command import job_env, torchrun_command
+from ..launching.warm import warm_command
 from ..launching.diagnose import launcher_text
 from ..launching.stop import descendants, die_with_parent, stop_job
 from . import channel
@@ -64,7 +65,8 @@ class Job:
         with open(self.run_dir / "launcher.log", "ab") as log:
             log.write(f"--- start {self.generation} ---\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(warm_command(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL,
                                          env=env, preexec_fn=die_with_parent)
         threading.Thread(target=self._accept, name="labkit-ranks-accept", daemon=True).start()
         deadline = time.monotonic() + timeout

@@ -183,13 +183,15 @@ def release_connections() -> int:
 
     import psutil
 
+    from ..core.processes import INHERITED_FDS  # a warm rank's copies of the agent's sockets
+
     store_port = int(os.environ.get("MASTER_PORT", "0"))
     me = psutil.Process()
     conns = me.net_connections(kind="tcp") if hasattr(me, "net_connections") else me.connections(kind="tcp")
     closed = 0
     for c in conns:
-        if not c.raddr or c.fd < 0 or c.raddr.port == store_port or c.laddr.port == store_port:
-            continue  # listening sockets, and the store (the new group meets there)
+        if not c.raddr or c.fd < 0 or c.raddr.port == store_port or c.laddr.port == store_port or c.fd in INHERITED_FDS:
+            continue  # listening sockets, the store (the new group meets there), the agent's own
         try:
             with socket.socket(fileno=os.dup(c.fd)) as s:
                 s.shutdown(socket.SHUT_RDWR)
