@@ -18,6 +18,7 @@ import pytest
 
 from conftest import module_pool
 from labkit.spans.idle import CPU_CAUSES, DESCHEDULED, SPAN_CAUSES, explain_idle_spans
+from labkit.spans.quiet import Quiet, quiet_baseline
 from labkit.spans.read import Span, machine_load, makespan_without_load, without_descheduling
 from labkit.core.actions import Action, Timeline
 
@@ -81,7 +82,6 @@ def _step():
 
 pool = module_pool(2, SETUP)
 LOOPS_PER_CORE = 1  # issue 42's "one busy loop per core"
-QUIET = 0.25        # a quiet baseline: descheduled for at most this share of the step without the loops
 STEPS, ROUNDS = 10, 5  # one step is ~20 ms: a timer tick or a kernel thread moves its share by points
 
 
@@ -121,7 +121,7 @@ def test_a_busy_machine_shows_as_descheduled_time(pool):
                                  for n in v["runnable"] if n is not None)
     print(f"quiet steps: descheduled {q:.1%}, load average {others}, {runnable:g} runnable at their ends; "
           f"beside the loops: descheduled {b:.1%}")
-    if runnable > cores + 1 or others > 2 * cores + 2 or q > QUIET:
+    if not Quiet(runnable, others, q, cores).ok:  # labkit.spans.quiet: the kit's one quiet-baseline rule
         pytest.skip(f"no quiet baseline: without the test's loops the ranks were descheduled for {q:.0%} of the "
                     f"step (load average {others}, {runnable:g} runnable at the steps' ends, on {cores} cores): "
                     "something else is keeping the machine busy")
@@ -146,3 +146,17 @@ def test_the_causes_plot_draws_each_report():
     artists = plot_idle_causes(ax, {"busy": rep, "again": rep}, title="where the step went")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["busy", "again"]
     assert any(getattr(c, "get_label", lambda: "")() == DESCHEDULED for c in ax.containers) and artists
+
+
+def test_the_quiet_rule_reads_the_spans_load():
+    """labkit.spans.quiet: medians of the runnable count, the load average and the descheduled share."""
+    def tl(runnable, load1, queued):
+        return Timeline([], meta={"machine_load": {"0": {"runnable": runnable, "load1": load1, "step_s": 1.0,
+                                                         "descheduled_in_steps_s": queued}}})
+
+    assert quiet_baseline([tl([2, 3], [1.0, 1.5], 0.1)], cores=2).ok
+    assert not quiet_baseline([tl([5, 5], [1.0], 0.1)], cores=2).ok        # more runnable than cores + 1
+    assert not quiet_baseline([tl([2], [7.0], 0.1)], cores=2).ok           # load average over 2 per core + 2
+    assert not quiet_baseline([tl([2], [1.0], 0.3)], cores=2).ok           # a third of the step descheduled
+    blind = quiet_baseline([Timeline([], meta={})], cores=2)                 # no scheduler clocks: no reading
+    assert not blind.ok and "not compared" in blind.text()

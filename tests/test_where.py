@@ -16,7 +16,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 import labkit
 import labkit.worker
-from labkit.models.small_lm import cut, lm_loss, small_lm
+from labkit.models import cut_small_lm, lm_loss, small_lm
 from labkit import CheckStepError
 
 torch.manual_seed(7)
@@ -43,7 +43,7 @@ def step(bug=None, dtype=None, schedule="1F1B", whole=True, **kw):
     stages, slices = [], {}
     for k, blocks in PLAN[schedule][rank]:
         first, last = k == 0, k == n - 1
-        mod = cut(full, blocks, first, last) if whole else small_lm(blocks=blocks, first=first, last=last)
+        mod = cut_small_lm(full, blocks, first, last) if whole else small_lm(blocks=blocks, first=first, last=last)
         slices[k] = small_lm(blocks=blocks, first=first, last=last)
         stages.append(PipelineStage(plant(mod, k, bug), k, n, device))
     x = X
@@ -118,7 +118,7 @@ def test_check_stages_without_the_whole_model(pool, schedule):
 @pytest.mark.launches
 def test_check_stages_refuses_on_every_rank_what_it_cannot_compare(pool):
     code = """
-full = small_lm(); stage = PipelineStage(cut(full, PLAN["1F1B"][rank][0][1], rank == 0, rank == 1), rank, 2, device)
+full = small_lm(); stage = PipelineStage(cut_small_lm(full, PLAN["1F1B"][rank][0][1], rank == 0, rank == 1), rank, 2, device)
 def refusal(slices, losses):
     try:
         labkit.worker.check_stages(slices, [stage], X, Y, losses, 4, lm_loss)
@@ -148,7 +148,7 @@ def test_check_stages_on_a_llama_no_rank_builds_whole(pool):
     code = """
 import dataclasses
 from labkit.models import hf
-from labkit.config.presets import PRESETS
+from labkit import PRESETS
 pre = dataclasses.replace(PRESETS["tiny"], n_layers=4)
 def llama_step(bug=False):
     stage_mod = hf.meta_stage("llama", pre, rank, [0, 2, 4], device)

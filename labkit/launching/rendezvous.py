@@ -1,7 +1,7 @@
 """A loopback-only rendezvous for single-node jobs, plugged into torchrun (`--rdzv-backend labkit-loopback`).
 
 Why: `torchrun --standalone` hosts its TCPStore on ALL interfaces, unauthenticated; on workshop
-Wi-Fi anyone could reach it (shared/NOTES.md beside the repository, "Network exposure"). This
+Wi-Fi anyone could reach it (seen with `ss -ltnp`: the agent's store LISTENs on `*:port`). This
 handler is torchrun's own c10d rendezvous with both of its stores (the rendezvous store and the store it shares with the
 workers) bound to 127.0.0.1 through a socket the kit binds itself (`TCPStore(master_listen_fd=)`),
 on a port the OS chooses. gloo's listeners follow `GLOO_SOCKET_IFNAME=lo`, set by the launcher.

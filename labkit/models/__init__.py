@@ -25,6 +25,6 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".workload": ("TimedBlock", "WorkloadConfig", "mse"),
     ".balance": ("balance", "balance_config", "stage_sums"),
     ".skips": ("carry_skips",),
-    ".small_lm": ("SmallLM", "lm_loss", "small_lm"),
+    ".small_lm": ("SmallLM", "cut_small_lm", "lm_loss", "small_lm"),
     ".": ("hf",),
 })

@@ -93,7 +93,7 @@ def small_lm(n_blocks: int = 4, blocks: list[int] | None = None, first: bool = T
     return model
 
 
-def cut(full: SmallLM, blocks: list[int], first: bool, last: bool) -> SmallLM:
+def cut_small_lm(full: SmallLM, blocks: list[int], first: bool, last: bool) -> SmallLM:
     """A stage cut by hand from the unsplit model: a copy without the other blocks (names kept)."""
     part = copy.deepcopy(full)
     for key in [k for k in part.blocks if int(k) not in blocks]:

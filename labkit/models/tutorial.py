@@ -70,8 +70,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             if batch_major:
-                # contiguous: gloo cannot send or receive strided tensors (the batch_first pitfall in
-                # shared/NOTES.md, beside the repository)
+                # contiguous: gloo cannot send or receive strided tensors (with batch_first=True the
+                # backward's gradient buffer keeps these strides: "input tensor has to be contiguous")
                 h = h.transpose(0, 1).contiguous()
             h = self.output(h).float()
         return h

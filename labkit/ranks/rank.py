@@ -48,8 +48,8 @@ STATE = _State()
 
 
 def _on_sigint(signum, frame):
-    # Installed explicitly: a process started in the background inherits SIGINT ignored
-    # (shared/NOTES.md, beside the repository).
+    # Installed explicitly: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored (POSIX keeps it so; Python then installs no KeyboardInterrupt handler).
     if not STATE.in_cell:
         return
     if STATE.main_sending:

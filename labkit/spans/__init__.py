@@ -4,6 +4,7 @@
   I, W (and each post of / wait for a send or receive) is timed at both ends, CUDA events on GPUs;
   loaded by `boot/sitecustomize.py` in every rank the launcher starts (a user's plain script too);
 - `read`: spans files into a `Timeline` whose source is "spans";
+- `quiet`: when a timing may be compared (the quiet-baseline rule, stated once);
 - `idle`: every idle moment of a step, by cause, from the spans;
 - `compiled`: what torch.compile did in each step, per rank (dynamo's counts: graphs, graph breaks,
   recompiles, frames that fell back to eager), and `compile_notes`, which says it in words.
@@ -24,4 +25,5 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
               "makespan_without_load", "compile_counts"),
     ".idle": ("DESCHEDULED", "explain_idle_by_pipeline", "explain_idle_spans"),
     ".compiled": ("compile_notes",),
+    ".quiet": ("Quiet", "quiet_baseline"),
 })

@@ -96,7 +96,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 60.0) -> DistInfo:
 
 
 def teardown() -> None:
-    """Barrier, then destroy: small in-flight sends can otherwise hang teardown (shared/NOTES.md)."""
+    """Barrier, then destroy: a rank that destroys its group while a peer's small send to it is still in
+    flight can leave that peer's teardown hanging (seen with gloo on CPU ranks)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -50,7 +50,7 @@ def role(cmd: list, environ) -> str:
     prog = program(cmd)
     if environ.get("TORCHELASTIC_RUN_ID") or ("LOCAL_RANK" in environ and "RANK" in environ):
         return "rank"
-    if prog in ("torch.distributed.run", "torchrun"):
+    if prog in ("torch.distributed.run", "torchrun", "labkit.launching.warm"):  # the last forks its ranks warm
         return "agent"
     if prog.startswith("ipykernel"):
         return "kernel"
