@@ -160,3 +160,43 @@ def test_the_quiet_rule_reads_the_spans_load():
     assert not quiet_baseline([tl([2], [1.0], 0.3)], cores=2).ok           # a third of the step descheduled
     blind = quiet_baseline([Timeline([], meta={})], cores=2)                 # no scheduler clocks: no reading
     assert not blind.ok and "not compared" in blind.text()
+
+
+@pytest.mark.launches
+def test_compare_names_a_heavier_stage_as_the_code(pool):
+    """pool.compare (labkit.timeline.explain_slowdown) on two live cells of the same schedule: stage 1
+    made heavier (extra matmuls after its first layer) is named, compute its main cause."""
+    pool.exec(f"for _ in range({STEPS}): _step()")
+    before = pool.last_cell
+    pool.exec("_extra = _stage.submod[0].register_forward_hook(lambda m, a, o: o + 0 * (torch.randn(256, 256) @ "
+              "torch.randn(256, 256)).sum()) if rank == 1 else None")
+    try:
+        pool.exec(f"for _ in range({STEPS}): _step()")
+        after = pool.last_cell
+    finally:
+        pool.exec("_extra.remove() if _extra is not None else None")
+    why = pool.compare(before, after)
+    print(why.text())
+    assert why.main == "compute" and why.after > why.before, why.table()
+    (stage, kind), _ = max(why.by_stage.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    assert stage == 1 and "stage 1" in why.text(), why.table()
+
+
+@pytest.mark.launches
+@pytest.mark.serial  # its quiet rounds need a quiet machine: alone, after the parallel pass
+def test_compare_names_busy_loops_as_the_machine(pool):
+    """Three rounds alternating a quiet cell and a cell beside one busy loop per core: explain_slowdown
+    over the rounds names the machine, when the quiet cells had a quiet baseline."""
+    cores = os.cpu_count() or 1
+    cells = []
+    for _ in range(3):
+        _measure(pool, 0)
+        quiet = pool.last_cell
+        _measure(pool, LOOPS_PER_CORE * cores)
+        cells.append((quiet, pool.last_cell))
+    baseline = quiet_baseline([pool.timeline(q) for q, _ in cells])
+    if not baseline.ok:
+        pytest.skip(baseline.text())
+    why = pool.compare([q for q, _ in cells], [b for _, b in cells])
+    print(why.text())
+    assert why.main == "machine", why.table()

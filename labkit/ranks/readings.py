@@ -1,6 +1,6 @@
 """What a finished cell left, read back: its directory, its PP log events, its measured timeline (spans,
-else logs) and where its idle time went, one pipeline at a time (notebooks 04-06 and 12). `Ranks`
-inherits these."""
+else logs), where its idle time went, one pipeline at a time (notebooks 04-06 and 12), and why one
+cell's steps are slower than another's (`compare`). `Ranks` inherits these."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ class CellReadings:
         from ..spans import explain_idle_by_pipeline
 
         return explain_idle_by_pipeline(self.cell_dir(cell), which)
+
+    def compare(self, before: int | list[int], after: int | list[int]):
+        """Why cell `after`'s steps take longer than cell `before`'s (or less), by cause, over all their
+        steps (`labkit.timeline.explain_slowdown`: the machine, compute per stage and kind, waiting,
+        communication, the kit's own share). Lists of cells: rounds, paired in order, whose spread says
+        how sure the answer is. Notebook 06b."""
+        from ..timeline.slowdown import explain_slowdown
+
+        cells = [[self.cell_dir(c) for c in (x if isinstance(x, (list, tuple)) else [x])] for x in (before, after)]
+        return explain_slowdown(*cells)
