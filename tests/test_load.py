@@ -166,15 +166,12 @@ def test_the_quiet_rule_reads_the_spans_load():
 def test_compare_names_a_heavier_stage_as_the_code(pool):
     """pool.compare (labkit.timeline.explain_slowdown) on two live cells of the same schedule: stage 1
     made heavier (extra matmuls after its first layer) is named, compute its main cause."""
-    pool.exec(f"for _ in range({STEPS}): _step()")
-    before = pool.last_cell
-    pool.exec("_extra = _stage.submod[0].register_forward_hook(lambda m, a, o: o + 0 * (torch.randn(256, 256) @ "
-              "torch.randn(256, 256)).sum()) if rank == 1 else None")
-    try:
-        pool.exec(f"for _ in range({STEPS}): _step()")
-        after = pool.last_cell
-    finally:
-        pool.exec("_extra.remove() if _extra is not None else None")
+    pool.exec("_heavy = lambda m, a, o: o + 0 * (torch.randn(256, 256) @ torch.randn(256, 256)).sum()")
+    steps = f"for _ in range({STEPS}): _step()"
+    heavier = f"_extra = _stage.submod[0].register_forward_hook(_heavy) if rank == 1 else None\n{steps}\n" \
+              "_extra.remove() if _extra is not None else None"
+    before, after = pool.rounds(steps, heavier, n=2)  # A B, B A: labkit.ranks.readings.rounds
+    assert len(before) == len(after) == 2 and before[0] < after[0] and after[1] < before[1]
     why = pool.compare(before, after)
     print(why.text())
     assert why.main == "compute" and why.after > why.before, why.table()

@@ -67,3 +67,16 @@ class CellReadings:
 
         cells = [[self.cell_dir(c) for c in (x if isinstance(x, (list, tuple)) else [x])] for x in (before, after)]
         return explain_slowdown(*cells)
+
+    def rounds(self, a: str, b: str, n: int = 3, timeout: float | None = None) -> tuple[list[int], list[int]]:
+        """The cells `a` and `b` (code run on every rank) run alternately, `n` times each, in the order A B,
+        B A, A B...: whatever the machine drifts into weighs on both sides alike. Returns their cell
+        numbers, for `compare(as, bs)` (the rounds' spread: how sure the answer is) and for
+        `labkit.spans.quiet_baseline([self.timeline(c) for c in as])` (was the machine quiet?).
+        Notebooks 06b and 14."""
+        cells: tuple[list[int], list[int]] = ([], [])
+        for i in range(n):
+            for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                self.exec((a, b)[side], timeout=timeout)
+                cells[side].append(self.last_cell)
+        return cells
