@@ -205,3 +205,60 @@ def test_the_checks_cost_runs_both_checks_on_a_real_step():
     r0 = out["models"][0]["ranks"]["0"]
     assert r0["check_step"]["passed"] == 1 and r0["failing"]["check_stages"]["passed"] == 0
     assert r0["held_bytes"]["full"] > r0["held_bytes"]["slice"] and r0["check_step"]["s"] > 0
+
+
+def test_tree_run_counts_the_cpu_of_an_orphan_nobody_waited_for():
+    """A grandchild left running when its parent ends (as a forkserver is when torchrun's agent ends) is
+    reparented to the bench, waited for, and its CPU counted; RUSAGE_CHILDREN alone would miss it."""
+    import sys
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {burn!r}])"
+    wall, cpu = bench._tree_run([sys.executable, "-c", parent], None)
+    assert cpu >= 0.4 and wall > 0
+
+
+def test_rounds_run_every_side_once_a_round_in_alternating_order():
+    calls = []
+    sides = {k: (lambda k=k: calls.append(k) or len(calls)) for k in ("plain", "fork", "spawn")}
+    out = bench._rounds(sides, 3, {"spawn": 2})
+    assert calls == ["plain", "fork", "spawn", "spawn", "fork", "plain", "plain", "fork"]
+    assert out == {"plain": [1, 6, 7], "fork": [2, 5, 8], "spawn": [3, 4]}
+    # a side in fewer rounds is paired with the others' runs of the same rounds
+    pair = bench._wall_and_cpu([(1.0, 2.0), (1.0, 2.0)], [(2.0, 8.0), (4.0, 8.0), (9.0, 9.0)])
+    assert pair["wall"]["pair_ratios"] == [0.5, 0.25] and pair["cpu"]["ratio"] == 0.25
+
+
+def _ratio_of(a: float, b: float) -> dict:
+    return {"ratio": a / b, "pair_ratios": [a / b], "a_median_s": a, "b_median_s": b}
+
+
+def test_the_warm_start_rows_hold_the_4_rank_goal_and_every_start_method():
+    jobs = {n: {m: {"cpu": _ratio_of(c, 20.0), "wall": _ratio_of(w, 10.0)} for m, c, w in
+                (("fork", 6.0, 4.0), ("forkserver", 9.0, 7.0), ("spawn", 21.0, 11.0))} for n in ("2", "4")}
+    ws = {"jobs": jobs, "pools": {"2": {"cpu": _ratio_of(3.0, 12.0), "wall": _ratio_of(2.0, 8.0),
+                                        "methods": ["fork", "spawn"]}},
+          "rounds": 5, "spawn_rounds": 4, "date": "2026-11-28 00:00 UTC", "torch": "2.15.0", "load": [1.0, 1.5]}
+    rows = "\n".join(bench._warm_rows(ws))
+    assert "a fresh 4-rank job, labkit launch (fork) / plain torchrun, CPU" in rows
+    assert "| 0.30x | <= 0.4x | yes |" in rows and "| 0.40x | <= 0.6x | yes |" in rows
+    assert "measured 2026-11-28 00:00 UTC, torch 2.15.0, load average 1.0 at the start, 1.5 at the end" in rows
+    text = "\n".join(bench._warm_section(ws))
+    assert f"## {bench.WARM_HEADING}" in text and "5 rounds (4 for spawn)" in text
+    assert "| 4-rank job | labkit launch, fork / plain torchrun | 6.0 s / 20.0 s = **0.30x** | 4.0 s / 10.0 s = " \
+           "**0.40x** | 1 | <= 0.4x / <= 0.6x | yes / yes |" in text
+    assert "| 2-rank live pool's start | fork / spawn | 3.0 s / 12.0 s = **0.25x** |" in text
+    assert "The least CPU: fork at every size." in text and "is met" in text
+    md = bench.markdown({**_minimal_results(), "warm_start": ws})
+    assert rows in md and bench.WARM_HEADING in md
+    assert bench._warm_rows(None) == [] and bench._warm_section(None) == []
+
+
+@pytest.mark.launches
+def test_warm_start_measures_a_fresh_job_and_a_pools_start():
+    """Structure only: one round at 2 ranks with a forkserver (whose server outlives the agent) and a
+    pool's start, fork against spawn."""
+    out = bench.warm_start(n=1, nprocs=(2,), methods=("forkserver",), pool_pairs=1)
+    r = out["jobs"]["2"]["forkserver"]
+    assert r["cpu"]["a_median_s"] > 0 and r["cpu"]["b_median_s"] > 0 and r["wall"]["b_median_s"] > 0
+    assert out["pools"]["2"]["methods"] == ["fork", "spawn"] and out["pools"]["2"]["wall"]["a_median_s"] > 0

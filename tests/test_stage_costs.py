@@ -48,7 +48,7 @@ def test_pipelines_vs_ideal_reports_both_ideals_and_the_spread():
         tuple((s, Cost(F=0.01, B=0.02 + 0.01 * s)) for s in range(4)), default=Cost(F=0.01, B=0.035))))
     assert summary["ideal_bubble_fraction"] == pytest.approx(summary["measured_bubble_fraction"])
     assert summary["uniform_ideal_bubble_fraction"] != pytest.approx(summary["ideal_bubble_fraction"])
-    assert summary["cost_spread"] == "per stage: F 10 ms, B 20-50 ms, I 10-25 ms, W 10-25 ms"
+    assert summary["cost_spread"] == "per stage: F 10 ms, B 20-50 ms"  # Interleaved1F1B has no I or W to cost
     assert part.counts() == ideal.counts()
 
 
@@ -62,3 +62,4 @@ def test_plot_title_shows_the_spread():
     plot_timeline(ax, ideal)
     title = ax.get_title()
     assert "each stage's costs fitted to the measured step" in title and "per stage: F 10 ms, B 8-28 ms" in title
+    assert " I " not in title and " W " not in title  # 1F1B runs no I or W: its title lists no cost for them

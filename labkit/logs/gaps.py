@@ -77,14 +77,16 @@ class IdleReport:
         return sum(self.share(r, cause) for r in self.idle) / len(self.idle)
 
     def _load_text(self) -> str:
-        """The machine's load at the step's end, as the ranks recorded it (one line's tail)."""
+        """The machine's load at the step's end, as the ranks recorded it (one line's tail): the threads
+        runnable and each rank's CPU share of its step; `load` keeps the load average too."""
         loads = [v for v in self.load.values() if v]
         if not loads:
             return ""
         share = [v["share"] for v in loads if v.get("share") is not None]
         ran = f", each rank ran {min(share):.0%}-{max(share):.0%} of its step" if share else ""
-        return (f"; at the step's end: load average {max(v['load1'] for v in loads):.2f}, "
-                f"{max(v['runnable'] for v in loads)} runnable on {loads[0]['cores']} cores" + ran)
+        # what the ranks measured of this step, not the 1-minute load average (blind to a 50 ms step)
+        return (f"; at the step's end: {max(v['runnable'] for v in loads)} runnable on {loads[0]['cores']} cores"
+                + ran)
 
     def text(self) -> str:
         measured = " (measured from spans)" if self.source == "spans" else ""

@@ -69,7 +69,13 @@ def check_token_step(full, stages, x, y, losses, n_microbatches: int, n_valid: i
         return _token_sum(output, target, ignore_index) / n * n_microbatches
 
     scaled = [float(l.detach() if torch.is_tensor(l) else l) * n_microbatches for l in losses]
-    return check_step(full, stages, x, y, scaled, n_microbatches, reference_loss, **kwargs)
+    check = check_step(full, stages, x, y, scaled, n_microbatches, reference_loss, **kwargs)
+    if not check.ok and not check.values and not check.no_grad and "every stage computes as" in check.where:
+        check.where = (f"the loss is normalised differently from the unsplit model's token mean over the batch "
+                       f"({n} valid tokens): the likeliest cause when the stages compute as the unsplit model. Each "
+                       f"microbatch's loss must be its token sum over the batch's count (token_sum_loss(n_valid), "
+                       f"scale_grads=False), not its own mean; " + check.where)
+    return check
 
 
 def fit_weights(grads: dict[str, torch.Tensor], basis: list[dict[str, torch.Tensor]]) -> list[float]:

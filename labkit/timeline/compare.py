@@ -210,7 +210,8 @@ def fitted_ideal(tl: Timeline, shape: Shape) -> Timeline:
 
 def _fitted(ideal: Timeline, costs) -> Timeline:
     ideal.meta["costs"] = "fitted per stage"  # the plots' titles say so, with the spread
-    ideal.meta["cost_spread"] = costs.spread_text()
+    ran = {a.kind for a in ideal.compute()}  # a schedule without I and W gets no I or W costs in its title
+    ideal.meta["cost_spread"] = costs.spread_text(tuple(k for k in ("F", "B", "I", "W") if k in ran))
     return ideal
 
 
