@@ -93,10 +93,11 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(CheckStepError) as wrong:
-            check_step(full, stages, x, y, losses, 2, mse)
+            check_step(full, stages, x, y, losses, 2, mse, prefix_stage_index=False)
         with pytest.raises(CheckStepError) as collide:
             check_step(full, renumbered, x, y, losses, 2, mse)
         right = check_step(full, stages, x, y, losses, 2, mse, prefix_stage_index=True)
+        inferred = check_step(full, stages, x, y, losses, 2, mse)  # None: the names decide, the notes say which
     finally:
         dist.destroy_process_group()
     msg = str(wrong.value)
@@ -108,6 +109,7 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     assert "parameter names collide across stages: 2 names are claimed by more than one stage (stages 0 and 1)" in msg
     assert "'0.bias', '0.weight'" in msg and "renumbered 0..k" in msg and "tolerance" not in msg
     assert right.ok and right.failure is None
+    assert inferred.ok and any("prefix_stage_index=True, inferred from the names" in n for n in inferred.notes)
 
 
 def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatch):

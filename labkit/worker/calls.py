@@ -207,6 +207,8 @@ class _Call:
     renamed: dict
     clip_grad_norm: float | None
     autocast: Any
+    inferred: bool = False
+    """prefix_stage_index was None and the names decided it (`_agree_comparable`)."""
 
     @property
     def has_last(self) -> bool:
@@ -217,12 +219,22 @@ def _agree_comparable(c: _Call) -> None:
     """Raise `CheckStepError` on EVERY rank, with the same message, when the call cannot be compared:
     every rank's own report gathered with one `all_gather_object`, judged the same way everywhere."""
     batch = c.y if c.loss_fn is not None else c.x
-    report = _local_report(c.full, c.stages, c.losses, c.loss_fn, c.output, c.prefix_stage_index, c.tied,
-                           c.renamed, c.extra, tuple(batch.shape) if torch.is_tensor(batch) else None)
+    # prefix_stage_index=None: both ways of naming are reported, and the one under which every name is the
+    # unsplit model's (no collision either) is used, the same on every rank; False first where both fit
+    # (a rank that passed it keeps its own: ranks may name their stages differently)
+    mine = [False, True] if c.prefix_stage_index is None else [bool(c.prefix_stage_index)]
+    report = {o: _local_report(c.full, c.stages, c.losses, c.loss_fn, c.output, o, c.tied, c.renamed, c.extra,
+                               tuple(batch.shape) if torch.is_tensor(batch) else None) for o in mine}
     reports = [None] * dist.get_world_size(c.group)
     dist.all_gather_object(reports, report, group=c.group)
     ranks = [dist.get_global_rank(c.group, r) if c.group is not None else r for r in range(len(reports))]
-    problems = _verdict(reports, ranks, c.n_microbatches, c.loss_fn, c.group, c.chunk_dim)
+    options = [False, True] if any(len(r) > 1 for r in reports) else [None]
+    verdicts = {o: _verdict([r[o] if o in r else next(iter(r.values())) for r in reports], ranks, c.n_microbatches,
+                            c.loss_fn, c.group, c.chunk_dim) for o in options}
+    chosen = next((o for o in options if not verdicts[o]), options[0])
+    if c.prefix_stage_index is None:
+        c.prefix_stage_index, c.inferred = bool(chosen), True
+    problems = verdicts[chosen]
     if problems:
         raise CheckStepError("check_step cannot compare this step (the same on every rank of the pipeline):\n"
                              + "\n".join(f"  - {p}" for p in problems))

@@ -214,7 +214,7 @@ def stage_grads(stages, prefix_stage_index: bool = False) -> dict[str, torch.Ten
 
 
 def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_fn=None, *, grads=None,
-               prefix_stage_index: bool = False, output=None, extra=(), tolerance: float | None = None,
+               prefix_stage_index: bool | None = None, output=None, extra=(), tolerance: float | None = None,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
                tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
                clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> Check:
@@ -224,8 +224,9 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     stages: this rank's PipelineStages; losses: the `losses` list the schedule filled (last stage);
     grads: the gradients to compare (default: the stages' gradients now, `stage_grads`), under the
     unsplit model's parameter names;
-    prefix_stage_index: how a stage's parameter names map to the unsplit model's. False (the default)
-    when the stage module keeps the unsplit model's names, as a manual cut that deletes the other
+    prefix_stage_index: how a stage's parameter names map to the unsplit model's; None (the default):
+    inferred from the names, the check says which it used in its notes. False when the stage module
+    keeps the unsplit model's names, as a manual cut that deletes the other
     stages' layers does (`layers.3.linear1.weight` on both sides, notebook 01). True when the stage
     module is `full[stage_index]`, a child of an nn.Sequential (notebooks 04 and 05): its `weight`
     is the unsplit model's `<stage_index>.weight`. With the wrong choice the names are not the unsplit
@@ -374,6 +375,9 @@ def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: l
     outside float noise, no float64 truth."""
     notes = [f"{', '.join(dropped)}: a forward replaced on the module instance (a wrapper or hook) was not run "
              f"by the reference's copy; the class's forward was"] if dropped else []
+    if c.inferred and c.prefix_stage_index:
+        notes.append("names: each stage module is full[stage_index] (its 'weight' is the unsplit model's "
+                     "'<stage_index>.weight'): prefix_stage_index=True, inferred from the names")
     worst = max(figures, key=lambda f: f.ratio, default=None)
     if c.tolerance is not None and ok and worst is not None and worst.ratio > NOISE_MULTIPLE:
         notes.append(f"within the tolerance {c.tolerance:g}, but outside float noise: the worst tensor ({worst.kind} "
