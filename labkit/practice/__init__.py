@@ -8,7 +8,8 @@ Owns two small concerns, each in its module:
   per-batch reference gradients (how `scale_grads=True` turns a sum of steps into a moving average);
 - `measure`: what a step costs beside its time: bytes sent between ranks (`SentBytes`), autocast's
   weight copies saved for the backward (`WeightCopies`), a fresh activation tracker per measured step
-  (`fresh_tracker`, `rank_peak`), the median of warm step times (`time_steps`).
+  (`fresh_tracker`, `rank_peak`), the median of warm step times (`time_steps`), the forwards each module
+  ran, recomputations included (`ForwardCounts`).
 
 Runs inside the ranks (live ranks' cells).
 
@@ -19,5 +20,5 @@ from ..core import exports as _exports
 
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".loss": ("check_token_step", "fit_weights", "token_loss", "token_sum_loss", "valid_tokens"),
-    ".measure": ("SentBytes", "WeightCopies", "fresh_tracker", "rank_peak", "time_steps"),
+    ".measure": ("ForwardCounts", "SentBytes", "WeightCopies", "fresh_tracker", "rank_peak", "time_steps"),
 })

@@ -124,3 +124,34 @@ def time_steps(step, n: int = 5, warmup: int = 1) -> float:
 def stage_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor occupies (numel x element size)."""
     return t.numel() * t.element_size()
+
+
+class ForwardCounts(dict):
+    """Context manager: {name: how many times that module's forward ran} while it is open, activation
+    checkpointing's recomputations included (forward pre-hooks: a recomputation runs the module again).
+
+        with ForwardCounts({f"stage {i}": mod for i, mod in ...}) as counts:
+            run(schedule, stages, x, y)
+        counts["stage 0"] / n_microbatches   # forwards per microbatch: 1, plus each recomputation
+
+    Under 1F1B a checkpointed block runs twice per microbatch (its forward, then its recomputation in the
+    backward); a zero-bubble schedule splits the backward into an input-gradient pass (I) and a
+    weight-gradient pass (W), and checkpointing recomputes the block in each pass that needs its saved
+    activations: once for I, and once per W pass of a layer with parameters (notebook 14 counts it)."""
+
+    def __init__(self, modules: dict):
+        super().__init__({name: 0 for name in modules})
+        self._modules, self._handles = dict(modules), []
+
+    def __enter__(self) -> "ForwardCounts":
+        for name, mod in self._modules.items():
+            self._handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: self._tick(name)))
+        return self
+
+    def _tick(self, name: str) -> None:
+        self[name] += 1
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
