@@ -49,10 +49,11 @@ def bare_python(root: Path) -> tuple[Path, Path]:
 
 
 def plain_checkout(root: Path) -> Path:
-    """What the check needs of a fresh clone, copied: the kit's package and the script."""
+    """What the check needs of a fresh clone, copied: the kit's package, the script and its steps (gpu_checks/)."""
     checkout = root / "checkout"
     shutil.copytree(REPO / "labkit", checkout / "labkit", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    (checkout / "scripts").mkdir()
+    shutil.copytree(REPO / "scripts" / "gpu_checks", checkout / "scripts" / "gpu_checks",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "scripts" / "gpu_check.py", checkout / "scripts" / "gpu_check.py")
     return checkout
 
