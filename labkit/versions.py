@@ -376,7 +376,8 @@ def clean_exit_is_done() -> None:
     `exit_now`, a live rank closed by its kernel) counts as finished. torch's MultiprocessContext (the
     elastic agent's processes for a function entrypoint: torch/distributed/elastic/multiprocessing/
     api.py, 2.11 to 2.15) waits for each process's return value, which such an exit never sends, and
-    would wait for ever; torchrun's subprocesses are judged by their exit code alone. Private API."""
+    would wait for ever; torchrun's subprocesses are judged by their exit code alone. Private API,
+    the same in torch 2.11 to 2.15 (`_is_done`, `_pc.processes`, `_return_values`)."""
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
     if getattr(MultiprocessContext, "_labkit_clean_exit", False):

@@ -1,5 +1,5 @@
 """Where a failed step departs (labkit.worker.boundaries through check_step and check_stages), on the
-suite's warm 2-rank pool: a small pre-norm transformer (labkit.models.small_lm, 4 blocks, stages
+suite's warm 2-rank pool: a small pre-norm transformer (labkit.models.small_lm(), 4 blocks, stages
 blocks 0-1 and 2-3 + head) with planted bugs, each located by stage and module in float32 and under
 bf16 autocast; check_stages where each rank builds only its own layers (1F1B and ZBVZeroBubble), a
 transformers Llama whose stages are materialised from `meta` (no rank builds the whole model), and

@@ -8,7 +8,7 @@
 - `balance`: split points from measured per-block cost;
 - `tied`: tied weights across stages (GPT-2's embedding and head);
 - `skips`: skip connections of a traced model carried stage to stage;
-- `small_lm`: a small pre-norm transformer LM the verdict's lesson cuts, breaks and checks (each part
+- `small`: a small pre-norm transformer LM the verdict's lesson cuts, breaks and checks (each part
   from its own seed: a rank can build only its own blocks);
 - `workload`: the controlled workload, stages whose compute time you set (launched by
   `labkit.launching.controlled`).
@@ -25,6 +25,6 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".workload": ("TimedBlock", "WorkloadConfig", "mse"),
     ".balance": ("balance", "balance_config", "stage_sums"),
     ".skips": ("carry_skips",),
-    ".small_lm": ("SmallLM", "cut_small_lm", "lm_loss", "small_lm"),
+    ".small": ("SmallLM", "cut_small_lm", "lm_loss", "small_lm"),
     ".": ("hf",),
 })

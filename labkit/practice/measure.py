@@ -141,10 +141,10 @@ class ForwardCounts(dict):
 
     def __init__(self, modules: dict):
         super().__init__({name: 0 for name in modules})
-        self._modules, self._handles = dict(modules), []
+        self._watched, self._handles = dict(modules), []
 
     def __enter__(self) -> "ForwardCounts":
-        for name, mod in self._modules.items():
+        for name, mod in self._watched.items():
             self._handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: self._tick(name)))
         return self
 
