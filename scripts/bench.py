@@ -19,7 +19,9 @@ pair, because these machines are noisy: never compare absolute times across runs
 5. the notebook suite under nbval (wall time);
 6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control);
 7. the check's cost: check_step and check_stages beside the step they check, time and peak memory per rank;
-8. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules).
+8. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules);
+9. ranks started warm (labkit.launching.warm): a fresh 2- and 4-rank job's CPU and wall time by start method
+   against plain torchrun, and a live pool's start, fork against spawn (`--only warm`).
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ def _wall(cmd: list[str], env: dict | None = None) -> float:
 WARM_UP = True  # one unmeasured run of each side first; tests/test_bench.py (structure, never timings) skips it
 
 
-def _pairs(a, b, n: int) -> tuple[list[float], list[float]]:
-    """Run a() and b() alternately n times (after one warm-up each, with WARM_UP); their results."""
-    if WARM_UP:
+def _pairs(a, b, n: int, warm_up: bool = True) -> tuple[list[float], list[float]]:
+    """Run a() and b() alternately n times (after one warm-up each, with WARM_UP and warm_up); their results."""
+    if WARM_UP and warm_up:
         a(), b()
     ra, rb = [], []
     for i in range(n):
@@ -160,6 +162,268 @@ def _startup_rows(st: dict | None) -> list[str]:
     return [f"| start-up CPU, collector paused / not ({names[k]}: {v['a_median_s']:.2f} s / {v['b_median_s']:.2f} s, "
             f"median of {len(v['pair_ratios'])} pairs{when}) | {v['ratio']:.2f}x | < 1 (reported) | "
             f"{'yes' if v['ratio'] < 1 else 'no'} |" for k, v in st.items() if k in names]
+
+
+# Ranks started warm (labkit.launching.warm): a short job's whole process tree, fresh, through `labkit launch` with
+# each start method against plain torchrun, and a live pool's start; the job is the issue's probe.
+WARM_HEADING = "labkit/launching/warm.py: ranks started warm"
+WARM_JOB = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining  # noqa: F401
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+START_METHODS = ("fork", "forkserver", "spawn")
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _tree_run(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of a command and its whole process tree.
+
+    RUSAGE_CHILDREN counts a process once someone waits for it, and nobody waits for a forkserver or
+    multiprocessing's resource tracker once their agent has ended (they are orphans, and so are the ranks
+    a forkserver had not reaped yet): this process becomes a subreaper for the run, orphans of the tree
+    are reparented to it, and it waits for each before reading the counts."""
+    import ctypes
+
+    import psutil
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    me = psutil.Process()
+    before_kids = {c.pid for c in me.children()}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    try:
+        wall = _wall(cmd, env)
+        deadline = time.monotonic() + 60
+        while orphans := [c.pid for c in me.children() if c.pid not in before_kids]:
+            for pid in orphans:
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"process {pid} of `{' '.join(cmd)}` outlived it by 60 s")
+                    time.sleep(0.02)
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def _rounds(sides: dict, n: int, fewer: dict | None = None, warm_up=None) -> dict:
+    """Every side run once per round, n rounds, the order reversed every other round (the pairs of
+    `_pairs`, k sides at once: each side's i-th run is paired with the others' i-th, run in the same
+    round); with WARM_UP, after one warm-up run of each side named in `warm_up` (None: every side).
+    `fewer`: {side: rounds} for a side that runs only in the first rounds. {side: [result, ...]}."""
+    if WARM_UP:
+        for k in sides if warm_up is None else warm_up:
+            sides[k]()
+    out: dict = {k: [] for k in sides}
+    for i in range(n):
+        names = [k for k in sides if i < (fewer or {}).get(k, n)]
+        for k in (names if i % 2 == 0 else reversed(names)):
+            out[k].append(sides[k]())
+    return out
+
+
+def _wall_and_cpu(a: list[tuple], b: list[tuple]) -> dict:
+    """{"cpu": _ratio, "wall": _ratio} of (wall, cpu) runs a over b, paired by round (b's first len(a))."""
+    b = b[:len(a)]
+    return {"wall": _ratio([x[0] for x in a], [x[0] for x in b]), "cpu": _ratio([x[1] for x in a], [x[1] for x in b])}
+
+
+def _pool_start(nproc: int, method: str, runs_root: str) -> tuple[float, float]:
+    """(wall, CPU) of a live pool's start with start method `method`: from `labkit.Ranks(...)` to its
+    first cell's value back; CPU: the agent's and every rank's (psutil, before the pool is closed)."""
+    import psutil
+
+    from labkit.launching.warm import START_VAR
+    from labkit.ranks import Ranks
+
+    was = os.environ.get(START_VAR)
+    os.environ[START_VAR] = method
+    try:
+        t = time.perf_counter()
+        pool = Ranks(nproc=nproc, device="cpu", runs_root=runs_root, live="print")
+        try:
+            if sorted(pool.exec("rank").values()) != list(range(nproc)):
+                raise RuntimeError(f"the {method} pool's first cell did not come back from every rank")
+            wall = time.perf_counter() - t
+            agent = psutil.Process(pool.agent_pid)
+            cpu = 0.0
+            for p in [agent, *agent.children(recursive=True)]:
+                try:
+                    c = p.cpu_times()
+                except psutil.NoSuchProcess:
+                    continue
+                cpu += c.user + c.system + c.children_user + c.children_system
+        finally:
+            pool.close()
+    finally:
+        if was is None:
+            os.environ.pop(START_VAR, None)
+        else:
+            os.environ[START_VAR] = was
+    return wall, cpu
+
+
+def warm_start(n: int = 5, nprocs=(2, 4), methods=START_METHODS, spawn_rounds: int | None = 3,
+               pools=("fork", "spawn"), pool_pairs: int = 3) -> dict:
+    """A fresh short job (WARM_JOB: gloo, one all-reduce, a barrier) through `labkit launch` started warm with
+    each start method in `methods` ($LABKIT_START_METHOD) against plain torchrun, at each size in `nprocs`: wall
+    time and CPU of the whole process tree (_tree_run), n rounds with every side once per round (_rounds; spawn,
+    the slowest, in the first `spawn_rounds` only); then a live pool's start (_pool_start) with the methods in
+    `pools`, the first against the second, `pool_pairs` pairs. Ratios are kit / plain torchrun and (pools) first /
+    second method. The warm-up runs (WARM_UP) are at the first size only, plain torchrun and the kit's first method
+    (the files every side reads, torch's among them, are in the page cache after them)."""
+    from labkit.launching.warm import START_VAR
+
+    py = sys.executable
+    out: dict = {"jobs": {}, "pools": {}, "rounds": n, "spawn_rounds": min(spawn_rounds or n, n),
+                 "pool_pairs": pool_pairs}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "probe_job.py"
+        script.write_text(WARM_JOB)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)  # TMPDIR: plain torchrun's torchelastic_* folders
+        env.pop(START_VAR, None)
+        count = iter(range(100_000))
+
+        def kit(nproc: int, method: str):
+            return lambda: _tree_run([py, "-m", "labkit", "launch", "--nproc", str(nproc), "--quiet", "--stream",
+                                      "none", "--out", str(Path(tmp) / f"run{next(count)}"), str(script)],
+                                     {**env, START_VAR: method})
+
+        def plain(nproc: int):
+            return lambda: _tree_run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                                      str(script)], env)
+
+        for nproc in nprocs:
+            runs = _rounds({"plain": plain(nproc), **{m: kit(nproc, m) for m in methods}}, n,
+                           {"spawn": out["spawn_rounds"]}, warm_up=("plain", methods[0]) if nproc == nprocs[0] else ())
+            out["jobs"][str(nproc)] = {m: _wall_and_cpu(runs[m], runs["plain"]) for m in methods}
+        if pools:
+            first, second = pools
+            for nproc in nprocs:
+                a, b = _pairs(lambda: _pool_start(nproc, first, tmp), lambda: _pool_start(nproc, second, tmp),
+                              pool_pairs, warm_up=nproc == nprocs[0])
+                out["pools"][str(nproc)] = {**_wall_and_cpu(a, b), "methods": list(pools)}
+    return out
+
+
+WARM_TARGET = {"cpu": 0.4, "wall": 0.6}  # issue 51: a fresh 4-rank job started warm (fork), against plain torchrun
+
+
+def _warm_when(ws: dict) -> str:
+    parts = [f"measured {ws['date']}"] if ws.get("date") else []
+    parts += [f"torch {ws['torch']}"] if ws.get("torch") else []
+    parts += [f"load average {ws['load'][0]} at the start, {ws['load'][1]} at the end on {os.cpu_count()} cores"] \
+        if ws.get("load") else []
+    return ", ".join(parts)
+
+
+def _warm_rows(ws: dict | None) -> list[str]:
+    """The main table's rows: a fresh 4-rank (else the largest) job started warm with fork, against the goal."""
+    if not ws or not ws.get("jobs"):
+        return []
+    nproc = "4" if "4" in ws["jobs"] else max(ws["jobs"], key=int)
+    fork = ws["jobs"][nproc].get("fork")
+    if not fork:
+        return []
+    when = _warm_when(ws)
+    target = lambda k: f"<= {WARM_TARGET[k]}x" if nproc == "4" else "(reported)"  # noqa: E731
+    met = lambda k: ("yes" if fork[k]["ratio"] <= WARM_TARGET[k] else "no") if nproc == "4" else "-"  # noqa: E731
+    return [f"| warm start: a fresh {nproc}-rank job, labkit launch (fork) / plain torchrun, {what} "
+            f"({fork[k]['a_median_s']:.1f} s / {fork[k]['b_median_s']:.1f} s, median of {len(fork[k]['pair_ratios'])} "
+            f"pairs{'; ' + when if when else ''}) | {fork[k]['ratio']:.2f}x | {target(k)} | {met(k)} |"
+            for k, what in (("cpu", "CPU of the whole process tree"), ("wall", "wall time"))]
+
+
+def _warm_section(ws: dict | None) -> list[str]:
+    """RESULTS.md's section of the warm start: how, a reading, a row per size and start method, and the pools."""
+    if not ws or not ws.get("jobs"):
+        return []
+    cell = lambda r: f"{r['a_median_s']:.1f} s / {r['b_median_s']:.1f} s = **{r['ratio']:.2f}x**"  # noqa: E731
+    rows = []
+    for nproc, per in ws["jobs"].items():
+        for m, r in per.items():
+            goal = nproc == "4" and m == "fork"
+            met = " / ".join("yes" if r[k]["ratio"] <= WARM_TARGET[k] else "no" for k in ("cpu", "wall"))
+            target = f"<= {WARM_TARGET['cpu']}x / <= {WARM_TARGET['wall']}x | {met} |" if goal else "(reported) | - |"
+            rows.append(f"| {nproc}-rank job | labkit launch, {m} / plain torchrun | {cell(r['cpu'])} | "
+                        f"{cell(r['wall'])} | {len(r['cpu']['pair_ratios'])} | {target}")
+    for nproc, r in ws.get("pools", {}).items():
+        a, b = r["methods"]
+        rows.append(f"| {nproc}-rank live pool's start | {a} / {b} | {cell(r['cpu'])} | {cell(r['wall'])} "
+                    f"| {len(r['cpu']['pair_ratios'])} | (reported) | - |")
+    return ["", f"## {WARM_HEADING}", "", _warm_how(ws), "", _warm_reading(ws), "",
+            "| what | A / B | CPU: A / B (medians), ratio | wall: A / B (medians), ratio | pairs | target (CPU / wall) "
+            "| met |", "| --- | --- | --- | --- | --- | --- | --- |", *rows]
+
+
+def _warm_how(ws: dict) -> str:
+    when = _warm_when(ws)
+    spawn = (f" ({ws['spawn_rounds']} for spawn)" if ws.get("spawn_rounds", ws["rounds"]) < ws["rounds"] else "")
+    return ("A fresh job of the issue's probe (import torch.distributed.pipelining, init_process_group(\"gloo\"), one "
+            "all-reduce, a barrier, destroy) through `labkit launch` started warm (`python -m labkit.launching.warm`), "
+            "with each start method ($LABKIT_START_METHOD), against plain `torchrun --standalone` on the same script, "
+            f"at {' and '.join(ws['jobs'])} ranks: {ws['rounds']} rounds{spawn}, each side once per round, the order "
+            "reversed every other round, after a warm-up run of plain torchrun and of fork; a side's run is paired "
+            "with plain torchrun's of the same round. "
+            "Wall time is the whole command's; CPU is user + system of the whole process tree (RUSAGE_CHILDREN, "
+            "this process a subreaper so that orphans, a forkserver among them, are waited for and counted): the "
+            "`labkit launch` command, torchrun's agent, a forkserver, the ranks. A live pool's start: from "
+            "`labkit.Ranks(nproc, device=\"cpu\")` to its first cell's value (`pool.exec(\"rank\")`) back, "
+            "one start method against the other pair by pair; its CPU is the agent's and the ranks' (psutil, before "
+            f"closing the pool), the notebook's own process not counted{'; ' + when if when else ''}.")
+
+
+def _warm_reading(ws: dict) -> str:
+    """The paragraph that reads the table: the goal at 4 ranks, the best start method, the pools."""
+    jobs = ws["jobs"]
+    sizes = sorted(jobs, key=int)
+    methods = list(jobs[sizes[0]])
+    fig = lambda nproc, m, k: f"{jobs[nproc][m][k]['ratio']:.2f}x"  # noqa: E731
+    text = "Reading: against plain torchrun, " + "; ".join(
+        f"a {nproc}-rank job started warm took " + ", ".join(
+            f"{fig(nproc, m, 'cpu')} of its CPU and {fig(nproc, m, 'wall')} of its wall time with {m}" for m in methods)
+        for nproc in sizes) + "."
+    best = {k: {nproc: min(methods, key=lambda m: jobs[nproc][m][k]["ratio"]) for nproc in sizes}
+            for k in ("cpu", "wall")}
+    for k, word in (("cpu", "CPU"), ("wall", "wall time")):
+        winners = set(best[k].values())
+        text += (f" The least {word}: {winners.pop()} at every size." if len(winners) == 1 else
+                 f" The least {word}: " + ", ".join(f"{best[k][n]} at {n} ranks" for n in sizes) + ".")
+    overall = {m for per in best.values() for m in per.values()}
+    if len(overall) == 1:
+        text += f" The better start method: {overall.pop()}, on both counts at every size."
+    if "4" in jobs and "fork" in jobs["4"]:
+        f4 = jobs["4"]["fork"]
+        met = [f4[k]["ratio"] <= WARM_TARGET[k] for k in ("cpu", "wall")]
+        text += (f" The goal for 4 ranks with the default, fork (CPU <= {WARM_TARGET['cpu']}x, wall <= "
+                 f"{WARM_TARGET['wall']}x), is {'met' if all(met) else 'missed'}: {f4['cpu']['ratio']:.2f}x and "
+                 f"{f4['wall']['ratio']:.2f}x ({f4['cpu']['a_median_s']:.1f} s of CPU against "
+                 f"{f4['cpu']['b_median_s']:.1f} s, {f4['wall']['a_median_s']:.1f} s of wall against "
+                 f"{f4['wall']['b_median_s']:.1f} s; the worst of its {len(f4['cpu']['pair_ratios'])} pairs "
+                 f"{max(f4['cpu']['pair_ratios']):.2f}x and {max(f4['wall']['pair_ratios']):.2f}x).")
+    if "fork" in methods:
+        cpu = lambda n, m: jobs[n][m]["cpu"]["a_median_s"]  # noqa: E731
+        extra = lambda m: ", ".join(f"{cpu(n, m) - cpu(n, 'fork'):+.1f} s at {n} ranks" for n in sizes)  # noqa: E731
+        if "forkserver" in methods:
+            text += (" A forkserver imports torch once more than fork, in the server the agent starts and waits for: "
+                     f"CPU against fork's {extra('forkserver')}.")
+        if "spawn" in methods:
+            text += (" With spawn every rank imports torch again, as under plain torchrun (its CPU below plain "
+                     "torchrun's is of the size that pausing the collector during the imports saves, "
+                     f"labkit.core.startup and the start-up rows above): CPU against fork's {extra('spawn')}.")
+    for nproc, r in ws.get("pools", {}).items():
+        a, b = r["methods"]
+        text += (f" A {nproc}-rank live pool started with {a} in {r['wall']['a_median_s']:.1f} s against "
+                 f"{r['wall']['b_median_s']:.1f} s with {b} ({r['wall']['ratio']:.2f}x), its processes' CPU "
+                 f"{r['cpu']['a_median_s']:.1f} s against {r['cpu']['b_median_s']:.1f} s ({r['cpu']['ratio']:.2f}x).")
+    return text
 
 
 def _on_off_pairs(step_times: list[float], on: list[bool], skip: int = 2) -> list[float]:
@@ -481,17 +745,17 @@ CHECK_SETUP = textwrap.dedent("""
         return out, {"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu, "peak_bytes": rss()[1] - before}
 
     def small_lm_parts(dim, n_blocks, batch, seq):
-        from labkit.models.small_lm import cut, lm_loss, small_lm
+        from labkit.models import cut_small_lm, lm_loss, small_lm
         blocks = list(range(rank * n_blocks // 2, (rank + 1) * n_blocks // 2))  # halves: stage = rank
         first, last = rank == 0, rank == 1
         full = small_lm(n_blocks, dim=dim)
         g = torch.Generator().manual_seed(0)
         x, y = (torch.randint(0, 128, (batch, seq), generator=g) for _ in range(2))
-        return dict(full=full, stage=cut(full, blocks, first, last), slice=small_lm(blocks=blocks, first=first,
+        return dict(full=full, stage=cut_small_lm(full, blocks, first, last), slice=small_lm(blocks=blocks, first=first,
                     last=last, dim=dim), x=x, y=y, kw={}, loss_fn=lm_loss, bug=f"blocks.{n_blocks - 1}.down")
 
     def llama_parts(dim, n_blocks, batch, seq):
-        from labkit.config.presets import PRESETS
+        from labkit import PRESETS
         from labkit.models import hf
         pre = dataclasses.replace(PRESETS["small"], dim=dim, n_layers=n_blocks, batch_size=batch, seq_len=seq)
         bounds = [0, n_blocks // 2, n_blocks]
@@ -837,6 +1101,10 @@ def run_all(quick: bool = False, notebooks: bool = True) -> dict:
     say("the check's cost: check_step and check_stages vs the step, per rank")
     res["check_cost"] = check_cost({"small_lm": {"dim": 64, "n_blocks": 4, "batch": 8, "seq": 16}}, 1, 1) \
         if quick else check_cost()
+    say("ranks started warm: fresh jobs by start method vs plain torchrun; a live pool's start")
+    load = os.getloadavg()[0]
+    ws = warm_start(n=1 if quick else 5, nprocs=(2,) if quick else (2, 4), pool_pairs=1 if quick else 3)
+    res["warm_start"] = {**ws, "torch": torch.__version__, "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
     say("gpu")
     g = gpu() if not quick else None
     res["gpu"] = g if g is not None else {"available": False, "reason": "no CUDA device on this machine"}
@@ -916,6 +1184,7 @@ def markdown(res: dict) -> str:
         f"| launch overhead (labkit launch / plain torchrun, whole process{_launch_when(res.get('launch_overhead') or {})}) "
         f"| {res['launch_overhead_ratio']:.3f}x | <= 1.03x | {'yes' if res['launch_overhead_ratio'] <= 1.03 else 'no'} |",
         *_launch_detail_rows(res.get("launch_overhead") or {}),
+        *_warm_rows(res.get("warm_start")),
         f"| PP log capture overhead (step time, +pp to files / none) | {res['capture_overhead_ratio']:.3f}x | <= 1.05x | {'yes' if res['capture_overhead_ratio'] <= 1.05 else 'no'} |",
         *_capture_detail_rows(res.get("capture_overhead") or {}),
         *_spans_rows(res.get("spans_overhead")),
@@ -965,6 +1234,7 @@ def markdown(res: dict) -> str:
     lines += _instrument_rows(res.get("instrument_fidelity"))
     lines += _paper_rows(res.get("paper_comparison"))
     lines += _check_cost_rows(res.get("check_cost"))
+    lines += _warm_section(res.get("warm_start"))
     return "\n".join(lines) + "\n"
 
 
@@ -975,7 +1245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(BENCH_DIR))
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
-                                                      "instruments", "paper", "launch", "startup", "check"],
+                                                      "instruments", "paper", "launch", "startup", "check", "warm"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -999,6 +1269,10 @@ def main(argv=None) -> int:
         if a.only == "check":
             load = os.getloadavg()[0]
             res["check_cost"] = {**check_cost(), "date": stamp, "torch": _torch(),
+                                 "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
+        if a.only == "warm":
+            load = os.getloadavg()[0]
+            res["warm_start"] = {**warm_start(), "date": stamp, "torch": _torch(),
                                  "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
         if "paper" in a.only:
             res["paper_comparison"] = {**paper_comparison(), "date": stamp}

@@ -249,6 +249,7 @@ def test_the_warm_start_rows_hold_the_4_rank_goal_and_every_start_method():
            "**0.40x** | 1 | <= 0.4x / <= 0.6x | yes / yes |" in text
     assert "| 2-rank live pool's start | fork / spawn | 3.0 s / 12.0 s = **0.25x** |" in text
     assert "The least CPU: fork at every size." in text and "is met" in text
+    assert "The better start method: fork, on both counts at every size." in text
     md = bench.markdown({**_minimal_results(), "warm_start": ws})
     assert rows in md and bench.WARM_HEADING in md
     assert bench._warm_rows(None) == [] and bench._warm_section(None) == []
