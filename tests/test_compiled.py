@@ -178,3 +178,30 @@ def test_a_live_cell_says_whether_its_compiled_stage_ran_compiled(pool):
                for n in notes)
     assert notes[1] in pool.idle().text()
     print(f"clean: {clean}\nat the limit: {fell}")
+
+
+@pytest.mark.launches
+def test_the_check_notes_a_compiled_stage_that_ran_eagerly(pool):
+    """check_step on compiled stages says in its notes when a frame of this rank fell back to eager (here
+    the earlier cell's, at a recompile limit of 1: dynamo's counts since the rank's process started)."""
+    pool.exec("compiled_step(Counting, limit=1)")
+    code = """
+import labkit
+torch.manual_seed(0); _a = Steady(); torch.manual_seed(0); _b = Steady()
+_full = nn.Sequential(_a, _b)
+import copy
+_stage = PipelineStage(torch.compile(copy.deepcopy(_full[rank]), backend="eager"), rank, 2, device)
+_x, _y = torch.randn(8, 8), torch.randn(8, 8)
+_losses = []
+_sched = Schedule1F1B(_stage, 4, loss_fn=nn.MSELoss())
+_sched.step(_x) if rank == 0 else _sched.step(target=_y, losses=_losses)
+_c = labkit.check_step(_full, [_stage], _x, _y, _losses, 4, nn.MSELoss())
+torch._dynamo.reset()
+(_c.ok, [n for n in _c.notes if n.startswith("torch.compile")])
+"""
+    out = pool.exec(code)
+    assert out[0] == out[1]
+    ok, notes = out[0]
+    assert ok, notes
+    assert [n.split(":")[0] for n in notes] == ["torch.compile, rank 0", "torch.compile, rank 1"], notes
+    assert all("recompiled until dynamo's limit" in n and "since the rank's process started" in n for n in notes)

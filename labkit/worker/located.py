@@ -100,3 +100,25 @@ def value_diff(mine: torch.Tensor, ref: torch.Tensor) -> float:
         return 0.0
     m = mine.detach().to(ref.device)
     return float((m.double() - ref.detach().to(m.dtype).double()).abs().max())
+
+
+def compiled_counts(c) -> dict | None:
+    """What dynamo did in this process so far (since it started, or since torch._dynamo.reset()), when a
+    stage of this rank is compiled (torch.compile's wrapper, or `module.compile()` in place); else None."""
+    compiled = any(hasattr(s.submod, "_orig_mod") or any(getattr(m, "_compiled_call_impl", None) is not None
+                                                         for m in s.submod.modules()) for s in c.stages)
+    if not compiled:
+        return None
+    from ..spans import compiled as dynamo
+
+    return dynamo.delta(None, dynamo.snapshot())
+
+
+def compile_notes_of(per_rank: list) -> list[str]:
+    """The check's notes on compiled stages that did not run compiled: a frame at dynamo's recompile
+    limit (or one it could not compile) runs eagerly, silently (labkit.spans.compiled)."""
+    from ..spans.compiled import compile_notes
+
+    counts = {str(r): v for r, v in enumerate(per_rank) if v is not None}
+    return [f"torch.compile, {n} (counted since the rank's process started or torch._dynamo.reset())"
+            for n in compile_notes(counts, fell_back_only=True)]

@@ -346,11 +346,11 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
                                          float(c.has_last), *c.extra], c.device, c.group)
     gathered = [None] * dist.get_world_size(c.group)
     dist.all_gather_object(gathered, ([f.as_dict() for f in found.figures], found.no_grad, ref.dropped,
-                                      found.values), group=c.group)
+                                      (found.values, located.compiled_counts(c))), group=c.group)
     figures = [Figure(**f) for figs, _, _, _ in gathered for f in figs]
     no_grad = [n for _, ng, _, _ in gathered for n in ng]
     dropped = sorted({n for _, _, dr, _ in gathered for n in dr})
-    values = [v for _, _, _, vs in gathered for v in vs]
+    values = [v for _, _, _, vs in gathered for v in vs[0]]
     last_rank = min(r for r, v in enumerate(per_rank) if v[4])
     pipelined = [] if c.loss_fn is None else worker.broadcast_floats(
         found.mine if c.has_last else None, c.n_microbatches, last_rank, c.device, c.group)
@@ -361,7 +361,7 @@ def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check
     complete = c.loss_fn is None or compared == expected
     within = all(f.ratio <= NOISE_MULTIPLE for f in figures) and diff != float("inf")
     ok = bool(complete and not no_grad and not values and (within if c.tolerance is None else diff <= c.tolerance))
-    notes = _notes(c, ok, figures, dropped, why)
+    notes = _notes(c, ok, figures, dropped, why) + located.compile_notes_of([vs[1] for *_, vs in gathered])
     said = "" if ok else where(figures, autocast=c.autocast)
     located_ = complete and not no_grad and not values and diff != float("inf") and not within_noise(figures)
     if not ok and located_:  # every rank: ok is the same (a pass by float noise failed by a tolerance: nothing to find)
