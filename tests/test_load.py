@@ -173,10 +173,13 @@ def test_compare_names_a_heavier_stage_as_the_code(pool):
     before, after = pool.rounds(steps, heavier, n=2)  # A B, B A: labkit.ranks.readings.rounds
     assert len(before) == len(after) == 2 and before[0] < after[0] and after[1] < before[1]
     why = pool.compare(before, after)
-    print(why.text())
-    assert why.main == "compute" and why.after > why.before, why.table()
-    (stage, kind), _ = max(why.by_stage.items(), key=lambda kv: kv[1][1] - kv[1][0])
-    assert stage == 1 and "stage 1" in why.text(), why.table()
+    quiet = quiet_baseline([pool.timeline(c) for c in before])
+    print(why.text(), quiet.text(), sep="\n")
+    # compute is each action less the time its rank waited for a CPU: what load cannot move, checked always
+    (stage, kind), (b, a) = max(why.by_stage.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    assert (stage, kind) == (1, "F") and a > 1.5 * b, why.table()
+    # the step's own time and .main move with the machine: judged over a quiet baseline (labkit.spans.quiet)
+    assert (why.main == "compute" and "stage 1" in why.text()) or not quiet.ok, why.table()
 
 
 @pytest.mark.launches

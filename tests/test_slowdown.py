@@ -164,6 +164,57 @@ def test_each_moment_of_the_critical_path_has_one_cause(tmp_path):
     assert {k: pytest.approx(v) for k, v in s.by_stage.items()} == {(0, "F"): (1.0, 1.0), (1, "F"): (1.0, 0.9)}
 
 
+def test_a_sender_without_a_cpu_is_the_machine_not_communication(tmp_path):
+    """Rank 0: F 0-1, posts its send, its next F. Rank 1 waits (blocked, not runnable) for that input,
+    then its F. Quiet: the send is posted at 1.0, rank 1's F starts at 1.2. Busy: rank 0 is runnable
+    without a CPU for 0.25 s before it posts its send (1.3-1.4) and 0.05 s inside the post, so rank 1's F
+    starts at 1.5: those 0.3 s are the machine's, though rank 1's own clock did not move; rank 0's time
+    without a CPU in its next F (from 1.4) is not the hand-off's."""
+    def step(busy: bool) -> list[Span]:
+        late, q = (0.3, 1.0) if busy else (0.0, 0.0)
+        return [Span(0, 0, "F", 0, 0, 0.0, 1.0, rq=(0.0, 0.0)),
+                Span(0, 0, "SEND", -1, -1, 1.0 + late, 1.1 + late, "send", rq=(0.25 * q, 0.3 * q)),
+                Span(0, 0, "F", 0, 1, 1.1 + late, 2.1 + late, rq=(0.3 * q, 0.5 * q)),
+                Span(1, 0, "WAIT", -1, -1, 0.0, 1.2 + late, "recv", rq=(0.0, 0.0)),
+                Span(1, 0, "F", 1, 0, 1.2 + late, 2.2 + late, rq=(0.0, 0.0))]
+    s = explain_slowdown(as_files(tmp_path / "quiet", step(False)), as_files(tmp_path / "busy", step(True)))
+    adds_up(s)
+    assert (s.before, s.after) == pytest.approx((2.2, 2.5))
+    assert s.causes["machine"] == pytest.approx((0.0, 0.3))  # read on rank 1 alone: 0, all communication
+    assert s.causes["communication"] == pytest.approx((0.2, 0.2))  # the data in flight, as before
+    assert s.causes["compute"] == pytest.approx((2.0, 2.0))
+    assert s.main == "machine" and "for a CPU: the machine, not your code" in s.text()
+
+
+def test_a_heavier_stage_on_a_loaded_machine_is_the_code(tmp_path):
+    """Both sides on a machine as loaded (each action two thirds of its time without a CPU): stage 1's
+    forwards 2.8x as long after. The machine's seconds grow twice as much as the compute's (a longer
+    action waits longer for a CPU), but by no more than the load it had: the code. A heavier load
+    (after: every action 1.5x as long, 7/9 of it without a CPU: the same work) is the machine; a
+    Slowdown made by hand, without the machine's split, is judged by the step's share."""
+    before = write_spans(tmp_path / "before", steps(), queued_share=2 / 3, waits=True)
+    s = explain_slowdown(before, write_spans(tmp_path / "heavier", steps(slow=2.8), queued_share=2 / 3, waits=True))
+    adds_up(s)
+    assert s.delta["machine"] > 1.9 * s.delta["compute"] > 0  # what the machine's seconds alone would name
+    assert s.machine_excess == pytest.approx(0.0, abs=1e-12)  # its actions were descheduled as much as before
+    assert s.main == "compute" and s.per_action[(1, "F")] == pytest.approx((1 / 3 * MS, 2.8 / 3 * MS))
+    text = s.text()
+    assert "stage 1's forwards take 2.8x as long" in text and "the code; the machine was as busy as before" in text
+    assert "(descheduled 67% of the actions' time both times)" in text and "for a CPU came with the longer step" in text
+    busier = explain_slowdown(before, write_spans(tmp_path / "busier", steps(scale=1.5), queued_share=7 / 9,
+                                                  waits=True))
+    adds_up(busier)
+    assert busier.main == "machine" and busier.delta["compute"] == pytest.approx(0.0, abs=1e-12)
+    assert busier.machine_excess > 0.9 * (busier.after - busier.before)
+    assert "the machine, not your code (other processes held the cores; descheduled" in busier.text()
+    assert explain_slowdown(timeline(), timeline(slow=1.6)).machine_excess is None  # no clocks: unknown
+    by_hand = Slowdown(10 * MS, 20 * MS, {"machine": (5 * MS, 10 * MS), "compute": (4 * MS, 9 * MS),
+                                          "waiting": (1 * MS, 1 * MS), "communication": (0.0, 0.0), "kit": (0.0, 0.0)},
+                       {(1, "F"): (4 * MS, 9 * MS)})  # no split of the machine: the step at one share
+    assert by_hand.machine_excess == pytest.approx(0.0) and by_hand.main == "compute"
+    assert "(descheduled 50% of the step both times)" in by_hand.text()
+
+
 def as_files(folder, spans):
     """Hand-made spans written as spans files, read back by the same reader as a run's."""
     (folder / "spans").mkdir(parents=True)

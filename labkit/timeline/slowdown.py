@@ -8,7 +8,9 @@ step's start. The path's pieces tile the step, so they add up to its time; each 
 cause (`CAUSES`):
 
 - **machine**: its rank was runnable but had no CPU (the run-queue clock of spans with scheduler
-  clocks, `labkit.spans.read.Span.queued`), inside an action or between two;
+  clocks, `labkit.spans.read.Span.queued`), inside an action or between two; where the path crosses
+  from one rank to the next, so was the sending rank while it handed its output on (from its action's
+  end to its next action: posting and waiting for its sends);
 - **compute**: the path's actions less that, per stage and kind (`Slowdown.by_stage`);
 - **communication**: between two actions, posting sends and receives, waits for sends, FSDP2's
   collectives, and where the path crosses from one rank to the next, the wait for the receive that
@@ -18,26 +20,27 @@ cause (`CAUSES`):
 - **kit**: the kit's own wrappers around torch's calls (`Span.own`, measured by `labkit.spans.record`).
 
 A slower stage shows as its own compute wherever it sits in the pipeline, not as its neighbours'
-waiting; the time between two ranks is read on the receiving rank. A run directory with spans is read
-from its spans (they hold the run queue between actions and the kit's own time, which a `Timeline`
-does not); anything else through `load_timeline`. Without scheduler clocks (older spans, CUDA's device
-time, logs) the machine's share is unknown (None, said in `notes`) and stays inside the other causes;
-so does the kit's where it was not measured.
+waiting; the time between two ranks is read on the receiving rank, less the sender's time without a
+CPU. A heavier action also waits longer for a CPU at the same load, so `Slowdown.main` judges the
+machine by its growth beyond the load the before side had (`Slowdown.machine_excess`). A run directory
+with spans is read from its spans (they hold the run queue between actions and the kit's own time,
+which a `Timeline` does not); anything else through `load_timeline`. Without scheduler clocks (older
+spans, CUDA's device time, logs) the machine's share is unknown (None, said in `notes`) and stays
+inside the other causes; so does the kit's where it was not measured.
 Taught in notebook 06b.
 """
 
 from __future__ import annotations
 
 import os
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import accumulate
 from statistics import mean
 from typing import NamedTuple
 
 from ..core.actions import COMPUTE_KINDS, Timeline
-from ..spans.idle import COLLECTIVE_KINDS
 from ..spans.read import Span, has_spans, read_spans, recorded_pipelines, without_descheduling
+from .rank_time import _merged, _minus, _Rank
 
 __all__ = ["CAUSES", "Slowdown", "explain_slowdown"]
 
@@ -70,6 +73,8 @@ class Slowdown:
     """How many pairs of measurements were compared."""
     notes: list[str] = field(default_factory=list)
     """What could not be read (no scheduler clocks, no kit measurement) and so is not a cause here."""
+    machine_in_actions: Pair = (None, None)
+    """(before_s, after_s): the part of the machine cause inside the path's actions (the rest is between them)."""
 
     @property
     def delta(self) -> dict[str, float | None]:
@@ -77,9 +82,26 @@ class Slowdown:
         return {c: None if b is None else a - b for c, (b, a) in self.causes.items()}
 
     @property
+    def machine_excess(self) -> float | None:
+        """The machine's change beyond the load the before side already had (None where unknown). A longer
+        action waits longer for a CPU on a machine as busy, so after's path is expected to be descheduled
+        as much per second of its own work as before's: its actions (machine in them / compute, before,
+        times compute after) and the time between them (the same with the rest of the step); the excess
+        is what the machine added beyond that."""
+        (mb, ma), (ib, ia), (cb, ca) = self.causes["machine"], self.machine_in_actions, self.causes["compute"]
+        if mb is None:
+            return None
+        if ib is None:  # made by hand: the whole step at one share
+            return ma - _same_share(mb, self.before - mb, self.after - ma)
+        return ma - _same_share(ib, cb, ca) - _same_share(mb - ib, self.before - mb - cb, self.after - ma - ca)
+
+    @property
     def main(self) -> str:
-        """The cause that grew most (that shrank most when the step got faster)."""
+        """The cause that grew most (that shrank most when the step got faster), the machine by its
+        `machine_excess`: not by what a heavier action waits for a CPU at the load it had."""
         known = {c: d for c, d in self.delta.items() if d is not None}
+        if "machine" in known:
+            known["machine"] = self.machine_excess
         return (min if self.after < self.before else max)(known, key=known.get)
 
     def text(self) -> str:
@@ -98,23 +120,47 @@ class Slowdown:
         cause, d = self.main, self.delta[self.main]
         if not any(self.delta.values()):
             return "no cause changed"
-        more = "more" if d >= 0 else "less"
+        more, load = "more" if d >= 0 else "less", self._load()
         if cause == "compute":
             stage, kind = max(self.by_stage, key=lambda k: (1 if d >= 0 else -1) * (self.by_stage[k][1]
                                                                                    - self.by_stage[k][0]))
             b, a = self.per_action.get((stage, kind), (0.0, 0.0))
             took = f"take {a / b:.1f}x as long" if b > 0 else "appear"
             return (f"stage {stage}'s {KIND_NAMES.get(kind, kind)}s {took} ({_ms(abs(d))} {more} compute per step "
-                    f"on the critical path): the code, not the machine")
+                    f"on the critical path): the code" + (load or ", not the machine"))
         return {"machine": f"the ranks waited {_ms(abs(d))} {more} for a CPU: the machine, not your code (other "
-                           f"processes held the cores)",
+                           f"processes held the cores" + (f"; {self._shares()[2]}" if self.causes["machine"][0] else "")
+                           + ")",
                 "waiting": f"the critical path spent {_ms(abs(d))} {more} between actions outside any transfer "
                            f"(the schedule's own Python, the loss, a wait for data it did not trace), not in any "
                            f"stage's compute",
                 "communication": f"sends and receives on the critical path took {_ms(abs(d))} {more}: the "
                                  f"transfers between ranks (their size, the backend, the link)",
                 "kit": f"the kit's own instrumentation took {_ms(abs(d))} {more}: the measurement, not your code",
-                }[cause]
+                }[cause] + ("" if cause == "compute" else load)
+
+    def _shares(self, actions: bool = False) -> tuple[float, float, str]:
+        """(before, after, in words): the share of the step (of the path's actions' time) without a CPU."""
+        (mb, ma), (ib, ia), (cb, ca) = self.causes["machine"], self.machine_in_actions, self.causes["compute"]
+        pb, pa, of = mb / self.before, ma / self.after, "the step"
+        if actions and ib is not None and ib + cb > 0 and ia + ca > 0:
+            pb, pa, of = ib / (ib + cb), ia / (ia + ca), "the actions' time"
+        same = f"{pb:.0%}" == f"{pa:.0%}"
+        return pb, pa, f"descheduled {pa:.0%} of {of} " + ("both times" if same else f"against {pb:.0%}")
+
+    def _load(self) -> str:
+        """Where the machine, busy before too, changed with the step but is not `main`: how busy it was ('' else)."""
+        (mb, ma), d = self.causes["machine"], self.after - self.before
+        if self.main == "machine" or not mb or (ma - mb) * d <= 0:
+            return ""
+        (pb, pa, shares), excess = self._shares(actions=True), self.machine_excess
+        longer = "longer" if d > 0 else "shorter"
+        if abs(pa - pb) < 0.05:
+            return (f"; the machine was as busy as before ({shares}): its {_ms(abs(ma - mb))} "
+                    f"{'more' if d > 0 else 'less'} for a CPU came with the {longer} step")
+        return (f"; the machine was {'busier than before too' if excess > 0 else 'less busy than before'} "
+                f"({shares}: {_ms(abs(excess))} {'beyond' if excess > 0 else 'short of'} what the "
+                f"{longer} step would wait for a CPU at the load it had)")
 
     def table(self) -> str:
         """Per cause (and compute per stage and kind): before, after and the change, in ms."""
@@ -143,6 +189,11 @@ class Slowdown:
         ax.set_title(f"{self.main} changed most ({_ms(self.delta[self.main], sign=True)})", fontsize="medium")
         artists.append(ax.legend(fontsize="small", loc="upper left"))
         return artists
+
+
+def _same_share(queued: float, before: float, after: float) -> float:
+    """`queued` seconds without a CPU over `before` seconds of work: as many per second over `after`."""
+    return queued / before * after if before > 0 else queued
 
 
 def _ms(seconds: float, sign: bool = False) -> str:
@@ -241,102 +292,42 @@ def _from_timeline(tl: Timeline, name: str) -> _Loaded:
     return _Loaded(spans, tl.pipeline_of(), clocked, False, notes)
 
 
-class _Rank:
-    """One rank's spans for classifying time between actions: what covers each moment, and its run-queue
-    clock (seconds runnable without a CPU so far) at every span's ends, linear in between."""
-
-    def __init__(self, spans: list[Span], clocked: bool, kit: bool):
-        recv = [s.kind == "WAIT" and s.what in ("recv", "both") for s in spans]
-        self.waits = _Intervals([(s.start, s.end) for s, r in zip(spans, recv) if r])
-        self.posts = _Intervals([(s.start, s.end) for s, r in zip(spans, recv)
-                                 if s.kind in COLLECTIVE_KINDS or (s.kind == "WAIT" and not r)])
-        self.kit = _Intervals([piece for s in spans for piece in s.own()] if kit else [])
-        points = sorted((t, q) for s in spans if s.rq and clocked for t, q in zip((s.start, s.end), s.rq))
-        self.times = [t for t, _ in points]
-        self.level = list(accumulate((q for _, q in points), max))  # a cumulative clock never goes back
-
-    def queued(self, lo: float, hi: float) -> float:
-        """Seconds in [lo, hi] runnable without a CPU (0 without a clock)."""
-        return max(0.0, self._at(hi, bisect_left) - self._at(lo, bisect_right)) if self.times else 0.0
-
-    def _at(self, t: float, find) -> float:
-        # at a span's end, an end reads its own clock (the first point there), a start the next span's (the last)
-        i, n = find(self.times, t), len(self.times)
-        at = i if find is bisect_left else i - 1  # the first point at t, or the last
-        if 0 <= at < n and self.times[at] == t:
-            return self.level[at]
-        if i == 0 or i == n:
-            return self.level[min(i, n - 1)]
-        t0, t1, q0, q1 = self.times[i - 1], self.times[i], self.level[i - 1], self.level[i]
-        return q0 + (q1 - q0) * (t - t0) / (t1 - t0)
-
-
 class _Tally:
     """The causes of one step's critical path, piece by piece."""
 
     def __init__(self):
         self.causes = dict.fromkeys(CAUSES, 0.0)
         self.by_stage: dict[tuple[int, str], float] = {}
+        self.in_actions = 0.0  # the machine's part inside the path's actions
 
-    def add(self, rank: _Rank, cause, pieces: list[tuple[float, float]]) -> None:
-        """`pieces` of `rank`'s time, to `cause` (a (stage, kind) for compute) less the machine's part."""
+    def add(self, rank: _Rank, cause, pieces: list[tuple[float, float]], sender=None) -> None:
+        """`pieces` of `rank`'s time, to `cause` (a (stage, kind) for compute) less the machine's part: its
+        run-queue clock over them, and on a hand-off the `sender`'s ((its `_Rank`, until when) it had no CPU
+        to send)."""
         length = sum(b - a for a, b in pieces)
-        machine = min(length, sum(rank.queued(a, b) for a, b in pieces))
+        queued = sum(rank.queued(a, b) for a, b in pieces)
+        if sender is not None:
+            other, until = sender
+            queued += sum(other.queued(a, min(b, until)) for a, b in pieces if a < until)
+        machine = min(length, queued)
         self.causes["machine"] += machine
         if isinstance(cause, tuple):
+            self.in_actions += machine
             self.by_stage[cause] = self.by_stage.get(cause, 0.0) + length - machine
             cause = "compute"
         self.causes[cause] += length - machine
 
-    def between(self, rank: _Rank, lo: float, hi: float, hop: bool = False) -> None:
+    def between(self, rank: _Rank, lo: float, hi: float, sender=None) -> None:
         """[lo, hi] on `rank` between two actions: sends and receives, waits (for the input from another
-        rank on a `hop`: communication), the kit's own, the rest."""
+        rank on a hop, from a `sender`: communication), the kit's own, the rest; on a hop, the time the
+        sender was runnable without a CPU while handing its output on is the machine's."""
         taken: list[tuple[float, float]] = []
-        waits = "communication" if hop else "waiting"
+        waits = "communication" if sender else "waiting"
         for cause, covered in (("communication", rank.posts), (waits, rank.waits), ("kit", rank.kit)):
             pieces = _minus(_merged(covered.near(lo, hi), lo, hi), taken)
-            self.add(rank, cause, pieces)
+            self.add(rank, cause, pieces, None if cause == "kit" else sender)
             taken = _merged(taken + pieces, lo, hi)
-        self.add(rank, "waiting", _minus([(lo, hi)] if hi > lo else [], taken))
-
-
-class _Intervals:
-    """Intervals sorted by start: those reaching into [lo, hi] found without reading all of a rank's steps."""
-
-    def __init__(self, intervals: list[tuple[float, float]]):
-        self.intervals = sorted(intervals)
-        self.starts = [a for a, _ in self.intervals]
-        self.longest = max((b - a for a, b in self.intervals), default=0.0)
-
-    def near(self, lo: float, hi: float) -> list[tuple[float, float]]:
-        return self.intervals[bisect_left(self.starts, lo - self.longest):bisect_left(self.starts, hi)]
-
-
-def _merged(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
-    """The union of `intervals` inside [lo, hi], as sorted disjoint pieces."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _minus(pieces, taken) -> list[tuple[float, float]]:
-    """`pieces` less the sorted disjoint intervals `taken`."""
-    out = []
-    for a, b in pieces:
-        for c, d in taken:
-            if c < b and d > a:
-                if c > a:
-                    out.append((a, c))
-                a = max(a, d)
-        if b > a:
-            out.append((a, b))
-    return out
+        self.add(rank, "waiting", _minus([(lo, hi)] if hi > lo else [], taken), sender)
 
 
 def _inputs(s: Span) -> list[tuple[int, int, str]]:
@@ -365,7 +356,8 @@ def _critical_path(comp: dict[int, list[Span]], ranks: dict[int, _Rank], pipelin
             break
         p = max(options, key=lambda x: x.end)  # what it waited for last (its own rank's on a tie)
         lo = min(p.end, cursor)
-        tally.between(ranks[s.rank], lo, cursor, hop=p.rank != s.rank)
+        sender = ranks[p.rank]  # on a hop, its clock until its next action (posting and waiting for sends)
+        tally.between(ranks[s.rank], lo, cursor, (sender, sender.next_action(p.end)) if p.rank != s.rank else None)
         cursor, s = lo, p
     tally.between(ranks[s.rank], t0, cursor)
     return t1 - t0, tally
@@ -376,6 +368,7 @@ class _Reading(NamedTuple):
     causes: dict[str, float]
     by_stage: dict[tuple[int, str], float]
     per_action: dict[tuple[int, str], float]
+    in_actions: float
 
 
 def _reading(m: _Loaded, clocked: bool, kit: bool) -> _Reading:
@@ -395,7 +388,7 @@ def _reading(m: _Loaded, clocked: bool, kit: bool) -> _Reading:
     stages = sorted({k for x in read for k in x.by_stage})
     return _Reading(mean(times), {c: mean(x.causes[c] for x in read) for c in CAUSES},
                     {k: mean(x.by_stage.get(k, 0.0) for x in read) for k in stages},
-                    {k: mean(v) for k, v in sorted(own.items())})
+                    {k: mean(v) for k, v in sorted(own.items())}, mean(x.in_actions for x in read))
 
 
 def _compare(before: list[_Reading], after: list[_Reading], notes: list[str], unknown: set[str]) -> Slowdown:
@@ -416,4 +409,5 @@ def _compare(before: list[_Reading], after: list[_Reading], notes: list[str], un
                     {k: pair(lambda x, k=k: x.by_stage.get(k, 0.0)) for k in stages},
                     {k: tuple(mean([x.per_action[k] for x in side if k in x.per_action] or [0.0])
                               for side in (before, after)) for k in kinds},  # over the rounds that ran it
-                    spread, len(before), notes)
+                    spread, len(before), notes,
+                    (None, None) if "machine" in unknown else pair(lambda x: x.in_actions))
