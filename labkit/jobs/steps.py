@@ -159,7 +159,10 @@ def _first_step(stages, losses: list, out, tracker) -> dict:
     and with a memory tracker the rank's bytes (optimizer state: after its first update)."""
     has_last = any(s.is_last for s in stages)
     first = {"losses": list(losses), "grads": stage_grads(stages),
-             "output": out.detach() if (has_last and out is not None) else None}
+             "output": out.detach() if (has_last and out is not None) else None,
+             # the weights the step ran with: the optimizer moves them before the check (check_step(values=))
+             "values": {int(s.stage_index): {n: p.detach().clone() for n, p in s.submod.named_parameters()}
+                        for s in stages}}
     if tracker is not None:
         from ..parallel.compose import memory_row
         # the rank's stages together, at every change; optimizer state: after its first step, below

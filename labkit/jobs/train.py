@@ -341,7 +341,7 @@ def check_job(job: Job, batch: Batch, first: dict, extra: list[float]):
     check = check_step(job.full, job.stages, batch.x, batch.y, losses, n_mb, job.loss_fn, grads=grads,
                        output=first["output"], extra=extra, tolerance=cfg.tolerance, device=d.device,
                        kwargs=batch.kwargs, tied=job.model.tied_aliases, renamed=job.model.renamed, group=group,
-                       clip_grad_norm=cfg.clip_grad_norm, autocast=job.autocast)
+                       clip_grad_norm=cfg.clip_grad_norm, autocast=job.autocast, values=first.get("values"))
     if par is not None:  # every pipeline's verdict must hold
         check.ok = min(v[0] for v in worker.all_gather_floats([float(check.ok)], d.device)) > 0.5
     return check, n_mb

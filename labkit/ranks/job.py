@@ -163,6 +163,21 @@ class Job:
             self.log_dir = hits[-1] / "attempt_0"
         return self.log_dir / str(rank) / f"{stream}.log"
 
+    def root_cause(self, wait: float = 5.0) -> int | None:
+        """The rank torchrun's agent saw fail first (its failure summary in launcher.log, written as it
+        ends the job; waited for up to `wait` s): the hang-ups of the other ranks, which the agent ends
+        at once, can reach the kernel first."""
+        from ..launching.diagnose import _root_cause_from_launcher
+
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return None
+        text = (self.run_dir / "launcher.log").read_text(errors="replace")
+        return _root_cause_from_launcher(text.rpartition(f"--- start {self.generation} ---")[2])
+
     def tail(self, rank: int, n: int = TAIL_LINES) -> str:
         lines = []
         for stream in ("stdout", "stderr"):

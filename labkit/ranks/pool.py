@@ -272,7 +272,8 @@ class Ranks(CellReadings):
                     raise RanksError("\n".join(parts), n, failed, blocked, False, dict(cell.results))
                 return self._restart_and_raise(cell, parts, failed, blocked)
         if cell.dead:
-            first, *rest = cell.dead
+            root = cell.job.root_cause() if len(cell.dead) > 1 else None  # the agent's first observed failure
+            first, *rest = sorted(cell.dead, key=lambda r: r != root)
             parts.append(f"Rank {first}'s process ended during cell {n} (pid {cell.job.pid(first)}). "
                          f"Last lines of its log:\n{_indent(cell.job.tail(first))}")
             if rest:

@@ -148,12 +148,23 @@ class Recorder:
         self._handles = []
 
 
-def replay_copy(module: nn.Module) -> nn.Module:
+def replay_copy(module: nn.Module, values: dict | None = None) -> nn.Module:
     """A float64 copy of a stage's module that runs its own code eagerly: torch.compile's wrapper and
     compiled calls taken off (the replay checks the code, not the compiler), a forward replaced on an
-    instance as a bound method re-bound to the copy, its hooks kept (they are part of the stage)."""
+    instance as a bound method re-bound to the copy, its hooks kept (they are part of the stage);
+    `values` ({name in the module: tensor}): its parameters as they were at the checked step. Sharded
+    parameters (DTensor: tensor parallelism, FSDP) are refused: the replay needs whole tensors."""
+    if any(hasattr(p, "full_tensor") for p in module.parameters()):
+        raise ValueError("its parameters are sharded (DTensor): the replay needs whole tensors")
+    wrapped = hasattr(module, "_orig_mod")
     module = getattr(module, "_orig_mod", module)
     twin = copy.deepcopy(module)
+    if values:
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                v = values.get(("_orig_mod." + n) if wrapped else n)
+                if v is not None and v.shape == p.shape:
+                    p.copy_(v)
     for orig, mine in zip(module.modules(), twin.modules()):
         f = mine.__dict__.get("forward")
         if isinstance(f, types.MethodType) and f.__self__ is orig:
@@ -249,13 +260,13 @@ class Cut:
 
 
 def replay_stage(stage: int, module: nn.Module, rename, cut: Cut, reference: Recorder, truth_grads: dict,
-                 backward: bool = True) -> tuple[Departure | None, list[Figure]]:
+                 backward: bool = True, values: dict | None = None) -> tuple[Departure | None, list[Figure]]:
     """Stage `stage`'s module, copied to float64, run on the reference's input at its cut (and, with
     `backward`, back from the reference's gradient at the next cut): the first departure, and the
     boundary figures (its output; the gradient it sends back)."""
     why = ""
     for kwargs in ([cut.kwargs, {}] if cut.kwargs else [{}]):  # the model's other inputs, if the stage takes them
-        twin = replay_copy(module)
+        twin = replay_copy(module, values)
         rec = Recorder(twin, rename, keep_grad=True)
         a = cut.a_in
         if torch.is_tensor(a) and a.is_floating_point():

@@ -207,6 +207,7 @@ class _Call:
     renamed: dict
     clip_grad_norm: float | None
     autocast: Any
+    values: dict | None = None
     inferred: bool = False
     """prefix_stage_index was None and the names decided it (`_agree_comparable`)."""
 

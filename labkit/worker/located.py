@@ -71,12 +71,30 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
                 continue
             cut = Cut(a_in, kw64, out.detach() if k + 1 == n_stages else (nxt.detach() if nxt is not None else None),
                       None if nxt is None else nxt.grad, loss if k + 1 == n_stages else None)
-            dep, f = replay_stage(k, s.submod, renames[k], cut, ref, truth, backward=loss is not None)
+            moved = c.values is None and c.grads is not None and stage_values(_Only(c, s))
+            if moved:  # the stage is not at the checked step's weights: a replay would compare other weights
+                deps.append(Departure(k, "unreplayed", "", detail="its weights are not the unsplit model's now (an "
+                                      "optimizer step since the checked step?): pass values=, its parameters at "
+                                      "the step"))
+                continue
+            try:
+                dep, f = replay_stage(k, s.submod, renames[k], cut, ref, truth, backward=loss is not None,
+                                      values=(c.values or {}).get(k))
+            except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
+                dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
             deps += [dep] if dep is not None else []
             figs += f
     gathered = [None] * dist.get_world_size(c.group)
     dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=c.group)
     return ([Departure(**d) for ds, _ in gathered for d in ds], [Figure(**f) for _, fs in gathered for f in fs])
+
+
+class _Only:
+    """A check_step call `c` seen as holding one of its stages."""
+
+    def __init__(self, c, stage):
+        self.__dict__.update(vars(c))
+        self.stages = [stage]
 
 
 def stage_values(c) -> list[str]:
@@ -86,7 +104,9 @@ def stage_values(c) -> list[str]:
     params = dict(c.full.named_parameters(remove_duplicate=False))
     out = []
     for s in c.stages:
-        for _, name, p in stage_names(s, c.prefix_stage_index):
+        at_step = (c.values or {}).get(int(s.stage_index), {})
+        for key, name, p in stage_names(s, c.prefix_stage_index):
+            p = at_step.get(key.split(".", 1)[1] if c.prefix_stage_index else key, p)
             r = params.get(c.tied.get(name, c.renamed.get(name, name)))
             if r is not None and r.shape == p.shape and (diff := value_diff(p, r)) > 0:
                 out.append(f"stage {s.stage_index}'s {name!r} (max diff {diff:.2g})")

@@ -217,7 +217,8 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
                prefix_stage_index: bool | None = None, output=None, extra=(), tolerance: float | None = None,
                device=None, chunk_dim: int = 0, group=None, kwargs: dict | None = None,
                tied: dict[str, str] | None = None, renamed: dict[str, str] | None = None,
-               clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> Check:
+               clip_grad_norm: float | None = None, autocast: torch.dtype | None = None,
+               values: dict | None = None) -> Check:
     """Collective (call it on EVERY rank): this rank's part of one pipelined step against ONE forward
     (and backward) of the unsplit `full` model on the WHOLE batch `x`, `y`.
 
@@ -245,6 +246,9 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     for this model and data (labkit.worker.noise: within NOISE_MULTIPLE = 2 times its floor), which
     tells a bug from rounding in float32 and bf16 alike; a number: an absolute bound on every
     difference instead (e.g. 1e-3 for tensor parallelism, whose split sums the floor does not model);
+    values: each stage's parameters as they were at the step ({stage_index: {name in the stage module:
+    tensor}}), when the stages changed since (an optimizer step, as the kit's jobs check their first step
+    after the last): the values check and a failure's replay read them; default: the stages' own now;
     autocast: the dtype the step ran under torch.autocast with: the references run under it too (cast
     cache off: run the step as `labkit.worker.noise.autocast_ctx` does, or read the failure's hint).
     The returned Check carries every compared tensor's figures (error, floor, ratio), and a failure
@@ -258,7 +262,7 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     """
     device = device if device is not None else (stages[0].device if stages else "cpu")
     c = _Call(full, stages, x, y, losses, n_microbatches, loss_fn, grads, prefix_stage_index, output, extra, tolerance,
-              device, chunk_dim, group, kwargs, tied or {}, renamed or {}, clip_grad_norm, autocast)
+              device, chunk_dim, group, kwargs, tied or {}, renamed or {}, clip_grad_norm, autocast, values=values)
     # Validate first, on every rank, and agree with ONE collective that every rank reaches: a rank
     # that raised alone would leave the others waiting in the check's collectives below.
     _agree_comparable(c)
@@ -288,7 +292,7 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
     mine = [float(l.detach()) if torch.is_tensor(l) else float(l) for l in c.losses] if c.has_last else []
     ref, probe, truth, why = memo(_references_key(c), lambda: _references(c))
     last_stage = max((int(s.stage_index) for s in c.stages if s.is_last), default=None)
-    found = _Findings(mine, values=located.stage_values(c) if c.grads is None else [])
+    found = _Findings(mine, values=located.stage_values(c) if c.grads is None or c.values else [])
     if c.loss_fn is None:
         if c.has_last:
             found.odiff = float((c.output.to(ref.output.device) - ref.output).abs().max())

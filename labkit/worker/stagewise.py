@@ -292,7 +292,10 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
             rec.remove()
         pairs = [(n, canonical(n)) for n, _ in s.submod.named_parameters()]
         truth_grads = {canonical(n): p.grad for n, p in ref64.named_parameters() if p.grad is not None}
-        dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
+        try:
+            dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
+        except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
+            dep, f = Departure(k, "unreplayed", "", detail=f"{type(e).__name__}: {e}"), []
         deps += [dep] if dep is not None else []
         figs += f
     gathered = [None] * dist.get_world_size(run.group)
