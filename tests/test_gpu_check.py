@@ -138,6 +138,9 @@ def test_kernel_windows_are_matched_to_their_actions_by_correlation():
     c = m.compare_actions(spans, kernels)
     assert c["matched"] == 2 and c["contained_share"] == 1.0
     assert c["start_offset_us"]["min"] == pytest.approx(5) and c["duration_diff_us"]["max"] == pytest.approx(10)
+    # the device waited for the host: 5 us in each action before its first kernel, over 1 rank x 156 us of step
+    assert c["waited_for_host"]["median_us"] == pytest.approx(5)
+    assert c["waited_for_host"]["share"] == pytest.approx(10 / 156)
 
 
 def test_memory_verdict_on_cuda_holds_the_tracker_under_the_allocator():

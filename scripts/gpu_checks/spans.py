@@ -69,6 +69,10 @@ def compare_spans(run_dir: Path, device: str) -> tuple[str, str, dict]:
                f"{fmt_us(vs_inner['duration_diff_us']['median'])} less (medians); bubble fraction: spans "
                f"{vs_inner['bubble_fraction']['spans']:.3f}, {inner} {vs_inner['bubble_fraction']['other']:.3f}, "
                f"host annotations {vs_host['bubble_fraction']['other']:.3f}")
+    if device == "cuda":  # where the kernels' bubble exceeds the spans': the device waited for the host
+        summary += (f"; the device waited for the host {vs_inner['waited_for_host']['share']:.3f} of the step "
+                    f"(from a span's start to its first kernel, median "
+                    f"{fmt_us(vs_inner['waited_for_host']['median_us'])})")
     return (FAIL if problems else PASS), ("; ".join(problems) + " | " if problems else "") + summary, figures
 
 
@@ -146,6 +150,22 @@ def last_by_key(actions) -> dict:
     return out
 
 
+def waited_for_host(spans, other) -> dict:
+    """The device's idle time while the host launches, as its own cause: in each action, from its span's
+    start to its first kernel (`other`'s window start), the device had nothing of it to run yet. Its sum
+    over the step's matched actions, as a share of ranks x the spans' makespan (the bubble's unit), and
+    the median per action in microseconds. On CPU the same reading is the time before the first
+    operator (the runtime's own, inside the span)."""
+    a, b = last_by_key(spans), last_by_key(other)
+    common = sorted(set(a) & set(b))
+    waits = [max(0.0, min(b[k].start, a[k].end) - a[k].start) for k in common]
+    acts = [a[k] for k in common]
+    ranks = {x.rank for x in acts} or {0}
+    span = (max(x.end for x in acts) - min(x.start for x in acts)) if acts else 0.0
+    return {"share": sum(waits) / (len(ranks) * span) if span > 0 else 0.0,
+            "median_us": statistics.median(waits) * 1e6 if waits else 0.0}
+
+
 def compare_actions(spans, other) -> dict:
     """How far `other` (a profiler view) is from the spans, action by action: start and end offsets,
     duration differences (microseconds), the share of actions whose `other` window is no longer than
@@ -167,7 +187,8 @@ def compare_actions(spans, other) -> dict:
     def bubble(acts):
         return Timeline(sorted(acts, key=lambda x: x.start)).metrics()["bubble_fraction"] if acts else float("nan")
 
-    return {"actions": len(a), "other_actions": len(b), "matched": len(common),
+    waits = waited_for_host(spans, other)
+    return {"actions": len(a), "other_actions": len(b), "matched": len(common), "waited_for_host": waits,
             "median_action_us": statistics.median(x.duration * us for x in a.values()) if a else 0.0,
             "start_offset_us": stats(starts), "end_offset_us": stats(ends), "duration_diff_us": stats(shorter),
             "contained_share": sum(fits) / len(fits) if fits else 0.0,
