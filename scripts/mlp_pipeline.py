@@ -1,4 +1,4 @@
-"""A learner-sized pipeline for the instruments benchmark (scripts/bench.py instrument_fidelity):
+"""A learner-sized pipeline for the instruments benchmark (scripts/benches/fidelity.py instrument_fidelity):
 
     labkit launch --nproc 2 scripts/mlp_pipeline.py [--hidden 256] [--steps 3] [--profile]
 

@@ -3,7 +3,7 @@
     torchrun --nnodes 1 --nproc-per-node 2 scripts/tutorial_as_written.py                # the tutorial
     labkit launch --nproc 2 scripts/tutorial_as_written.py --sizes small --steps 10      # on a laptop
 
-The benchmark (`tutorial_vs_kit in scripts/bench.py`) times this against the kit's reference script doing
+The benchmark (`tutorial_vs_kit` in scripts/benches/tutorial.py) times this against the kit's reference script doing
 the same work (`--split manual --schedule GPipe --microbatches 4 --layout tutorial`), so the ratio
 says what the kit's script costs over the tutorial's. The tutorial's program is kept as it is
 written in ../shared/seeds (Introduction to Distributed Pipeline Parallelism):
