@@ -16,7 +16,8 @@ parts, each ending with a verdict (pass, fail, or skipped with the reason):
    same actions in the same run (the last of 3 steps): the kernels each action launched on a GPU, the
    CPU operators inside it on CPU. Pass: every action on both sides, and each profiler window no longer
    than its span (a span brackets its action's work) for 90% of them; on CPU also the spans' bubble
-   fraction within 0.03 of the kit's profiler annotations' (tests/test_spans.py). How far apart they
+   fraction within 0.03 of the kit's profiler annotations' (tests/test_spans.py) where the machine was
+   quiet (labkit.spans.quiet; otherwise the gap is reported, not judged). How far apart they
    are (start and end offsets, durations, bubble fractions) is reported, not judged, on a GPU;
 4. live ranks (`labkit.Ranks(nproc=1)`, nccl on a GPU, gloo on CPU): a small pipelined step checked
    against the unsplit model, and its spans;

@@ -92,6 +92,9 @@ def test_gpu_check_runs_bare_on_cpu_and_every_part_has_a_verdict(runs, tmp_path)
     assert data["launches"]["torchrun_jobs"] == 2 and data["launches"]["processes"] == 4
     schedules = next(p for p in data["parts"] if p["key"] == "1_schedules")["figures"]["configs"]
     assert len(schedules) == 10 and all(c["reference_match"] for c in schedules)
+    spans = next(p for p in data["parts"] if p["key"] == "3_spans")["figures"]
+    # the bubble gap is judged where the machine was quiet (labkit.spans.quiet); the reading is kept either way
+    assert spans["machine"].endswith(("a quiet baseline: compared", "not compared")), spans
     for line in ("1_schedules", "3_spans", "4_live_ranks", "5_memory"):  # each verdict printed as it came
         assert f"[gpu_check] {line} (" in r.stdout
     assert "| 5_memory" in (out / "report.md").read_text()
