@@ -24,7 +24,7 @@ from pathlib import Path
 from ..launching.clean import kill_all
 from ..launching.command import job_env, torchrun_command
 from ..launching.warm import warm_command
-from ..launching.diagnose import launcher_text
+from ..launching.diagnose import _root_cause_from_launcher, launcher_text
 from ..launching.stop import descendants, die_with_parent, stop_job
 from . import channel
 
@@ -167,16 +167,13 @@ class Job:
         """The rank torchrun's agent saw fail first (its failure summary in launcher.log, written as it
         ends the job; waited for up to `wait` s): the hang-ups of the other ranks, which the agent ends
         at once, can reach the kernel first."""
-        from ..launching.diagnose import _root_cause_from_launcher
-
         if self.proc is None:
             return None
         try:
             self.proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             return None
-        text = (self.run_dir / "launcher.log").read_text(errors="replace")
-        return _root_cause_from_launcher(text.rpartition(f"--- start {self.generation} ---")[2])
+        return _root_cause_from_launcher(launcher_text(self.run_dir).rpartition(f"--- start {self.generation} ---")[2])
 
     def tail(self, rank: int, n: int = TAIL_LINES) -> str:
         lines = []

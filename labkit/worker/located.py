@@ -7,6 +7,8 @@ May import: torch, labkit.worker (noise, boundaries)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modules, replay_stage, sentence,
@@ -71,7 +73,7 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
                 continue
             cut = Cut(a_in, kw64, out.detach() if k + 1 == n_stages else (nxt.detach() if nxt is not None else None),
                       None if nxt is None else nxt.grad, loss if k + 1 == n_stages else None)
-            moved = c.values is None and c.grads is not None and stage_values(_Only(c, s))
+            moved = c.values is None and c.grads is not None and stage_values(dataclasses.replace(c, stages=[s]))
             if moved:  # the stage is not at the checked step's weights: a replay would compare other weights
                 deps.append(Departure(k, "unreplayed", "", detail="its weights are not the unsplit model's now (an "
                                       "optimizer step since the checked step?): pass values=, its parameters at "
@@ -87,14 +89,6 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
     gathered = [None] * dist.get_world_size(c.group)
     dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=c.group)
     return ([Departure(**d) for ds, _ in gathered for d in ds], [Figure(**f) for _, fs in gathered for f in fs])
-
-
-class _Only:
-    """A check_step call `c` seen as holding one of its stages."""
-
-    def __init__(self, c, stage):
-        self.__dict__.update(vars(c))
-        self.stages = [stage]
 
 
 def stage_values(c) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .boundaries import Cut, Departure, Recorder, first_tensor, name_map, replay_stage, step_loss, up64
+from .boundaries import Cut, Departure, Recorder, _why, first_tensor, name_map, replay_stage, step_loss, up64
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
 from .located import say, value_diff
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, where
@@ -286,7 +286,7 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
                 o = first_tensor(ref64(a, **cut.kwargs))
                 cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
         except Exception as e:  # noqa: BLE001
-            deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {type(e).__name__}: {e}"))
+            deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {_why(e)}"))
             continue
         finally:
             rec.remove()
@@ -295,7 +295,7 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
         try:
             dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
         except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
-            dep, f = Departure(k, "unreplayed", "", detail=f"{type(e).__name__}: {e}"), []
+            dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
         deps += [dep] if dep is not None else []
         figs += f
     gathered = [None] * dist.get_world_size(run.group)

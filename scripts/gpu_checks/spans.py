@@ -41,7 +41,8 @@ def compare_spans(run_dir: Path, device: str) -> tuple[str, str, dict]:
     from labkit.spans import quiet_baseline
     from labkit.timeline.compare import load_timeline, one_step
 
-    spans = [a for a in one_step(load_timeline(run_dir, "spans")).actions if a.kind in COMPUTE_KINDS]
+    measured = load_timeline(run_dir, "spans")
+    spans = [a for a in one_step(measured).actions if a.kind in COMPUTE_KINDS]
     traces = profile_files(run_dir)
     if 0 not in traces:
         raise FileNotFoundError(f"no profiler trace in {run_dir}/profile (the run had --profile)")
@@ -63,7 +64,7 @@ def compare_spans(run_dir: Path, device: str) -> tuple[str, str, dict]:
                         f"(at least {CONTAINED_SHARE:.0%} expected)")
     host_gap = abs(vs_host["bubble_fraction"]["spans"] - vs_host["bubble_fraction"]["other"])
     # a bound on a timing holds where the machine was quiet (labkit.spans.quiet, the kit's one rule)
-    quiet = quiet_baseline([load_timeline(run_dir, "spans")])
+    quiet = quiet_baseline([measured])
     figures["machine"] = quiet.text()
     if device != "cuda" and host_gap > SPAN_BUBBLE_TOLERANCE:  # on a GPU the annotations time the launches
         gap = (f"bubble fractions of the spans and of the kit's annotations differ by {host_gap:.3f} "
