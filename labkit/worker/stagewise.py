@@ -137,7 +137,8 @@ class _Chain:
     gradients, and, for T, what the replay of a failed check needs at each of its cuts."""
 
     losses: list[float] = field(default_factory=list)
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """{(stage index, parameter name in the slice): its gradient}."""
     cuts: dict[int, Cut] = field(default_factory=dict)
 
 
@@ -196,7 +197,9 @@ def _chain(run: _Run, mode: str) -> _Chain:
         got = torch.autograd.grad(roots, leaves + params, grads_out, allow_unused=True)
         in_grads = list(got[:len(leaves)])
         graph[k] = (ins, outs, in_grads)
-        names = [canonical(n) for n, p in mods[k].named_parameters() if p.requires_grad]
+        # keyed by (stage, name): two stages of one rank may name their parameters alike (each built from
+        # one block class: 'lin.weight' on stage 0 and on stage 4), and must never share a gradient
+        names = [(k, canonical(n)) for n, p in mods[k].named_parameters() if p.requires_grad]
         for n, g in zip(names, got[len(leaves):]):
             if g is not None:
                 out.grads[n] = out.grads[n] + g if n in out.grads else g.detach()
@@ -228,15 +231,15 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
             d = value_diff(p, theirs[name])
             if d > 0:
                 values.append(f"stage {k}'s {name!r} (max diff {d:.2g})")
-            g, r = p.grad, R.grads.get(name)
+            g, r = p.grad, R.grads.get((k, name))
             if g is None and r is not None:
                 no_grad.append(f"stage {k}'s {name!r}")
                 continue
             if g is None or r is None:
                 continue
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
-            figs.append(figure("grad", name, k, g, r, C.grads.get(name, r), run.n_microbatches,
-                               truth=T.grads.get(name)))
+            figs.append(figure("grad", name, k, g, r, C.grads.get((k, name), r), run.n_microbatches,
+                               truth=T.grads.get((k, name))))
             numel += p.numel()
     if any(s.is_last for s in run.stages):
         f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731

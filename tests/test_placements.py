@@ -1,0 +1,134 @@
+"""No false failure on any placement or naming (issue 56): every schedule (all seven; one and two stages
+per rank, looped and V-shaped placement) on 2 and 4 live ranks, with stage modules that share their
+parameter names (each stage one `Block`: 'lin.weight' on every stage) and with the unsplit model's
+distinct names (a manual cut that keeps 'blocks.<i>.'), checked by check_step and by check_stages:
+every correct step passes; a planted bug still fails, placed by stage; names that cannot be mapped
+raise CheckStepError with the fix, on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import module_pool
+
+SETUP = """
+import copy
+import torch, torch.nn as nn
+import torch.distributed as dist
+import torch.distributed.pipelining as P
+from torch.distributed.pipelining import PipelineStage
+import labkit, labkit.worker
+from labkit.worker import placement, run_step
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+        self.scale = 1.0
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x))) * self.scale
+
+class Net(nn.Module):   # the unsplit model, names 'blocks.<i>.lin.weight'
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block() for i in range(n)})
+    def forward(self, x):
+        for b in self.blocks.values():
+            x = b(x)
+        return x
+
+def keep(net, k):   # a manual cut: the unsplit model with the other stages' blocks deleted (its names kept)
+    m = copy.deepcopy(net)
+    for key in list(m.blocks):
+        if key != str(k):
+            del m.blocks[key]
+    return m
+
+mse = lambda o, t: ((o - t) ** 2).mean()
+g = torch.Generator().manual_seed(3)
+X, Y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+M = 8  # DualPipeV wants as many microbatches as stages
+
+def case(name, per_rank, shared, how, bug=None):
+    cls = getattr(P, name)
+    n = dist.get_world_size() * per_rank
+    torch.manual_seed(0)
+    net = Net(n)
+    full = nn.Sequential(*[copy.deepcopy(b) for b in net.blocks.values()])  # names '<i>.lin.weight'
+    held = placement(cls, n)
+    mods = {k: copy.deepcopy(full[k]) if shared else keep(net, k) for k in held}
+    if bug is not None and bug in mods:
+        (mods[bug] if shared else mods[bug].blocks[str(bug)]).scale = 1.01
+    stages = [PipelineStage(mods[k], k, n, device) for k in held]
+    multi = issubclass(cls, P.schedules.PipelineScheduleMulti)
+    sched = cls(stages if multi else stages[0], M, loss_fn=mse)
+    losses = run_step(sched, stages, X, Y)
+    if how == "step":
+        c = labkit.check_step(full if shared else net, stages, X, Y, losses, M, mse)
+    else:
+        slices = {k: copy.deepcopy(full[k]) if shared else keep(net, k) for k in held}
+        c = labkit.worker.check_stages(slices, stages, X, Y, losses, M, mse)
+    return c.ok, c.failure or "", c.compared == c.expected
+"""
+
+pool2 = module_pool(2, SETUP)
+pool4 = module_pool(4, SETUP)
+
+SINGLE = ["ScheduleGPipe", "Schedule1F1B"]
+LOOPED = ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble"]
+V = ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+PLACEMENTS = [(s, 1) for s in SINGLE + LOOPED] + [(s, 2) for s in LOOPED + V]
+
+
+def _run(pool, name, per_rank, shared, how, bug=None):
+    out = pool.exec(f"case({name!r}, {per_rank}, {shared}, {how!r}, {bug!r})")
+    assert all(o == out[0] for o in out.values()), f"every rank gets the same verdict: {out}"
+    return out[0]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_correct_step_passes_on_every_placement_and_naming(pool2, pool4, ranks):
+    pool = pool2 if ranks == 2 else pool4
+    failed = []
+    for name, per_rank in PLACEMENTS:
+        for shared in (True, False):
+            for how in ("step", "stages"):
+                ok, failure, complete = _run(pool, name, per_rank, shared, how)
+                if not (ok and complete):
+                    failed.append(f"{name} x{per_rank} {'shared' if shared else 'distinct'} names, check_{how}: "
+                                  f"{failure}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("name", LOOPED[:1] + V)
+def test_a_bug_on_a_rank_with_two_stages_is_placed_on_its_stage(pool4, name):
+    bug = 5  # on rank 1 (looped: stages 1, 5) or rank 2 (V: stages 2, 5)
+    for shared in (True, False):
+        for how in ("step", "stages"):
+            ok, failure, _ = _run(pool4, name, 2, shared, how, bug)
+            assert not ok
+            assert failure.startswith(f"stage {bug} departs at blocks.{bug}") or \
+                failure.startswith(f"stage {bug}'s output is"), failure
+
+
+@pytest.mark.launches
+def test_shared_names_the_unsplit_model_cannot_map_raise_the_fix(pool2):
+    code = """
+try:
+    torch.manual_seed(0)
+    net = Net(4)
+    held = placement(P.ScheduleInterleaved1F1B, 4)
+    stages = [PipelineStage(copy.deepcopy(net.blocks[str(k)]), k, 4, device) for k in held]
+    sched = P.ScheduleInterleaved1F1B(stages, M, loss_fn=mse)
+    losses = run_step(sched, stages, X, Y)
+    labkit.check_step(net, stages, X, Y, losses, M, mse)
+    said = "no error"
+except labkit.CheckStepError as e:
+    said = str(e)
+said
+"""
+    out = pool2.exec(code)
+    assert out[0] == out[1]
+    assert "renamed=" in out[0] and "names that the unsplit model does not have" in out[0], out[0]
