@@ -171,3 +171,59 @@ def test_a_sweep_shares_one_job_per_world_size_and_device():
     four = RunConfig(schedule="1F1B", pp_size=4, preset="tiny", n_microbatches=4)
     groups = _groups([a, b, four, a, "other"])
     assert [len(g) for g in groups] == [2, 1, 1, 1] and groups[0] == [a, b] and groups[3] == ["other"]
+
+
+DEVICE_FORMS = textwrap.dedent("""
+    import sys
+    import torch, torch.nn as nn
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    form = sys.argv[1]
+    device = {"str": "cpu", "device": torch.device("cpu")}[form]
+    torch.manual_seed(rank)
+    stage = PipelineStage(nn.Linear(4, 4), rank, world, device)  # a string device: torch takes it
+    sched = Schedule1F1B(stage, 2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    x = torch.randn(4, 4)
+    sched.step(x) if rank == 0 else sched.step(target=torch.randn(4, 4), losses=[])
+    print("stepped", form, flush=True)
+    dist.barrier(); dist.destroy_process_group()
+""")
+
+
+@pytest.mark.launches
+def test_a_plain_script_with_a_string_device_runs_unchanged_and_is_timed(script, runs):
+    """PipelineStage(module, rank, world, "cpu"): torch accepts a string (or an int, cuda:N) for the
+    device; the kit's spans recorder must too (it ended every rank with "'str' object has no attribute
+    'type'")."""
+    for form in ("str", "device"):
+        r = launch(script(DEVICE_FORMS), [form], nproc=2, runs_root=runs, progress=False, stream="none")
+        assert r.ok, r.log(0)
+        assert f"stepped {form}" in r.log(0, "stdout")
+        tl = r.timeline("spans")
+        computed = sorted({(a.stage, a.kind) for a in tl.actions if a.kind in "FB"})
+        assert computed == [(0, "B"), (0, "F"), (1, "B"), (1, "F")]
+
+
+@pytest.mark.parametrize("form, kind", [("cpu", "cpu"), ("cuda:1", "cuda"), (1, "cuda"), ("cuda", "cuda")])
+def test_the_spans_recorder_reads_every_device_form_torch_takes(form, kind):
+    """What the recorder does with a stage's device (GPU forms read, not run: no GPU here)."""
+    import torch
+
+    from labkit.spans.record import _compute_wrapper
+    from labkit.spans.recorder import Recorder
+    import labkit.spans.record as record
+
+    class Stage:
+        device, stage_index, has_backward = form, 0, True
+
+    rec, old = Recorder(None, 0), record.RECORDER
+    rec.pipeline, rec.now = [0], lambda: 0.0  # no process group, no CUDA clock: only the device is read
+    record.RECORDER = rec
+    try:
+        _compute_wrapper(lambda self, chunk_id: None, lambda a, k: "F")(Stage(), 0)
+    finally:
+        record.RECORDER = old
+    assert isinstance(rec.device, torch.device) and rec.device.type == kind
+    assert rec._on_cuda() == (kind == "cuda")

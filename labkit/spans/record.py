@@ -141,8 +141,10 @@ def _compute_wrapper(inner, kind_of):
             t_back = _clock()
             rec.own(None, t_in, t_call, t_back, _clock())
             return out
-        if rec.device is None:
-            rec.device = getattr(self, "device", None)
+        if rec.device is None and getattr(self, "device", None) is not None:
+            import torch  # every form torch's PipelineStage takes: "cpu", "cuda:1", 1, torch.device
+
+            rec.device = torch.device(self.device)
         if rec.pipeline is None:
             rec.pipeline = _pipeline_of(self)
         start = rec.now()
