@@ -63,10 +63,11 @@ pool = module_pool(2, SETUP)  # the suite's warm 2-rank pool (conftest.live_rank
 
 def _check(pool, **kw) -> dict:
     args = ", ".join(f"{k}={v}" for k, v in kw.items())
-    out = pool.exec(f"c = step({args}); (c.ok, c.failure, c.worst_ratio, c.compared, c.expected, c.tolerance)")
+    out = pool.exec(f"c = step({args}); (c.ok, c.failure, c.worst_ratio, c.compared, c.expected, c.tolerance, c.where)")
     assert out[0][:2] == out[1][:2], "every rank gets the same verdict"
-    ok, failure, worst, compared, expected, tol = out[0]
-    return {"ok": ok, "failure": failure, "worst": worst, "compared": compared, "expected": expected, "tol": tol}
+    ok, failure, worst, compared, expected, tol, where = out[0]
+    return {"ok": ok, "failure": failure, "worst": worst, "compared": compared, "expected": expected, "tol": tol,
+            "where": where}
 
 
 @pytest.mark.launches
@@ -105,7 +106,9 @@ def test_a_tracked_stage_compares_every_parameter(pool):
 def test_a_held_but_unused_parameter_is_named_as_unused(pool):
     """Named by the unsplit model's name (the stage holds it as inner.3.bias, `renamed` maps it), as the figures are."""
     c = _check(pool, unused=True)
-    assert not c["ok"] and "stage 1's '1.3.bias'" in c["failure"] and "unused in its forward" in c["failure"], c
+    assert not c["ok"] and "stage 1's '1.3.bias'" in c["failure"], c
+    assert "its module never ran in the stage's forward" in c["failure"], c  # Buggy calls F.linear on its weight
+    assert c["where"] == c["failure"], "one first place"
 
 
 def test_where_tells_a_scaling_mistake_from_a_backward():

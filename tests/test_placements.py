@@ -132,3 +132,79 @@ said
     out = pool2.exec(code)
     assert out[0] == out[1]
     assert "renamed=" in out[0] and "names that the unsplit model does not have" in out[0], out[0]
+
+
+MASKED = """
+class MaskedBlock(Block):
+    def forward(self, x, mask):
+        return x + torch.tanh(self.lin(self.norm(x))) * mask[:, None]
+
+MASK = torch.rand(16, generator=g)
+
+def masked(how, roll_on=2):
+    # 1F1B over every rank; the rank holding stage `roll_on` passes its masks rolled by one microbatch
+    n = dist.get_world_size()
+    torch.manual_seed(0)
+    full = nn.Sequential(*[MaskedBlock() for _ in range(n)])
+    stage = PipelineStage(copy.deepcopy(full[rank]), rank, n, device)
+    sched = P.Schedule1F1B(stage, M, loss_fn=mse)
+    parts = list(MASK.chunk(M))
+    mask = torch.cat(parts[-1:] + parts[:-1]) if rank == roll_on else MASK
+    losses = run_step(sched, [stage], X, Y, mask=mask)
+    if how == "step":
+        class Whole(nn.Sequential):
+            def forward(self, x, mask):
+                for b in self:
+                    x = b(x, mask)
+                return x
+        c = labkit.check_step(Whole(*full), [stage], X, Y, losses, M, mse, kwargs={"mask": MASK})
+    else:
+        c = labkit.worker.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse,
+                                       kwargs={"mask": MASK})
+    return c.ok, c.failure or "", c.where
+"""
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("how", ["step", "stages"])
+def test_a_stage_fed_another_microbatchs_kwarg_is_named_first(pool4, how):
+    """The learner's case: the padding masks rolled by one microbatch on stage 2 only. The check names
+    the stage and the kwarg, which microbatch got whose cut, and that the stage's module computes right."""
+    pool4.exec(MASKED)
+    out = pool4.exec(f"masked({how!r})")
+    ok, failure, where = out[0]
+    assert all(o == out[0] for o in out.values())
+    assert not ok
+    assert failure.startswith("stage 2 received another microbatch's `mask`: microbatch 0 got microbatch 7's, "
+                              "1 got 0's"), failure
+    assert "its module computes as" in failure, failure
+    assert where in failure, "one first place in failure and where"
+
+
+DETACHED = """
+class Detached(Block):
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)).detach())
+
+def detached(how):
+    torch.manual_seed(0)
+    full = nn.Sequential(*[Block() for _ in range(dist.get_world_size())])
+    mod = copy.deepcopy(full[rank])
+    if rank == 1:
+        mod.__class__ = Detached
+    stage = PipelineStage(mod, rank, dist.get_world_size(), device)
+    losses = run_step(P.Schedule1F1B(stage, M, loss_fn=mse), [stage], X, Y)
+    c = labkit.check_step(full, [stage], X, Y, losses, M, mse) if how == "step" else \\
+        labkit.worker.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse)
+    return c.ok, c.failure or "", c.where, c.no_grad
+"""
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("how", ["step", "stages"])
+def test_a_detached_output_is_named_as_cut_off_not_unused(pool2, how):
+    pool2.exec(DETACHED)
+    ok, failure, where, no_grad = pool2.exec(f"detached({how!r})")[0]
+    assert not ok and no_grad and all(n.startswith("stage 1's ") for n in no_grad), (no_grad, failure)
+    assert "its module ran in the stage's forward but its output was cut off from the loss" in failure, failure
+    assert where == failure

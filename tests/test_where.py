@@ -76,7 +76,8 @@ LOCATED = {
     "bias": ("stage 1 departs at blocks.2.down:", "while its input agrees"),
     "residual": ("stage 1 departs inside blocks.3:", "the input of blocks.3.ln2"),
     "load": ("stage 0's 'blocks.1.up.weight'", "a loading or copying bug"),
-    "swap": ("every stage computes as the unsplit model", "microbatches 1, 2"),
+    "swap": ("stage 0 received another microbatch's input", "microbatch 1 got microbatch 2's, 2 got 1's",
+             "its module computes as the unsplit model"),
     "backward": ("stage 1's forward agrees", "backward-only bug in blocks.2.up"),
 }
 

@@ -51,9 +51,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from pathlib import Path
 
+from . import received
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
 from .recorder import Recorder, _cpu
@@ -131,6 +133,8 @@ def _compute_wrapper(inner, kind_of):
 
     def wrapper(self, chunk_id, *args, **kwargs):
         t_in = _clock()
+        if not backward:
+            _received(self, chunk_id)
         rec = RECORDER
         if rec is None or not rec.enabled:
             return inner(self, chunk_id, *args, **kwargs)
@@ -159,6 +163,17 @@ def _compute_wrapper(inner, kind_of):
         return out
 
     return _as(inner, wrapper)
+
+
+def _received(stage, chunk_id) -> None:
+    """What the stage's forward receives, fingerprinted for the step check (labkit.spans.received)."""
+    try:
+        received.begin(stage, chunk_id)
+    except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
+        if not getattr(stage, "_labkit_received_said", False):
+            stage._labkit_received_said = True
+            print(f"[labkit] stage {getattr(stage, 'stage_index', '?')}: inputs not recorded for the step check: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _pipeline_of(stage) -> list[int]:

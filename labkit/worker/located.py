@@ -16,21 +16,44 @@ from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modu
 from .noise import Figure, travel_hint
 
 
-def say(departures: list[Departure], figures: list[Figure], said: str, reference: str = "the unsplit model") -> str:
-    """The localisation first (or, when every stage computes as `reference`, what travelled wrong), then
-    what the figures show (`said`)."""
+def say(departures: list[Departure], figures: list[Figure], said: str, reference: str = "the unsplit model",
+        fed: tuple[list[str], set] | None = None) -> str:
+    """The localisation first: what a stage received wrong (`fed`: labkit.worker.inputs.findings), then
+    where a stage's own code departs (or, when every stage computes as `reference`, what travelled
+    wrong), then what the figures show (`said`)."""
+    wrong, fed_stages = fed or ([], set())
     where = sentence(departures)
-    if not any(d.what != "unreplayed" for d in departures):
+    departed = {d.stage for d in departures if d.what != "unreplayed"}
+    if wrong:
+        right = sorted(k for k in fed_stages if k not in departed)
+        lead = "; ".join(wrong)
+        if right:
+            lead += (f": {'its module computes' if len(right) == 1 else 'their modules compute'} as {reference} "
+                     f"when replayed on the reference's input (float64)")
+        where = "; ".join(x for x in (lead, where) if x)
+    elif not departed:
+        hint = travel_hint(figures) if fed is not None else \
+            travel_hint(figures) + " (what each stage received was not recorded: a process the kit did not start)"
         where = "; ".join(x for x in (where, f"every stage computes as {reference} when replayed on the reference's "
-                                      f"input at its cut (float64): " + travel_hint(figures)) if x)
+                                      f"input at its cut (float64): " + hint) if x)
     return f"{where}. Figures: {said}" if said else where
+
+
+def fed_wrong(stages, x, kwargs, n_microbatches: int, chunk_dim: int, group) -> tuple[list[str], set] | None:
+    """Collective: what each stage received against the reference's cut (labkit.worker.inputs); None when no
+    rank recorded anything (a process the kit did not start)."""
+    from . import inputs
+
+    rec = inputs.gather(stages, group)
+    return inputs.findings(rec, x, kwargs, n_microbatches, chunk_dim) if rec else None
 
 
 def located_step(c, figures: list[Figure], said: str) -> str:
     """check_step's failure localised (collective): the boundary figures are added to `figures`."""
+    fed = fed_wrong(c.stages, c.x, c.kwargs, c.n_microbatches, c.chunk_dim, c.group)
     departures, boundary = localise_full(c)
     figures += boundary
-    return say(departures, figures, said)
+    return say(departures, figures, said, fed=fed)
 
 
 def localise_full(c) -> tuple[list[Departure], list[Figure]]:
@@ -136,3 +159,60 @@ def compile_notes_of(per_rank: list) -> list[str]:
     counts = {str(r): v for r, v in enumerate(per_rank) if v is not None}
     return [f"torch.compile, {n} (counted since the rank's process started or torch._dynamo.reset())"
             for n in compile_notes(counts, fell_back_only=True)]
+
+
+def modules_that_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) -> set[str] | None:
+    """The stage module's own submodule names that run in one forward on microbatch 0's shapes (stage 0:
+    its cut of `x`; a later stage: random values of the shapes and dtypes it received in the step,
+    labkit.spans.received), under no_grad with its buffers restored after; None when it cannot be told
+    (nothing recorded, a kwarg the check was not given, a forward that fails on such values)."""
+    from ..spans import received
+    from .noise import chunk_kwargs
+
+    first = (getattr(stage, received.ATTR, None) or {}).get(0)
+    if first is None:
+        return None
+    dev = torch.device(stage.device) if getattr(stage, "device", None) is not None else torch.device("cpu")
+    if int(stage.stage_index) == 0 and torch.is_tensor(x):
+        args = [x.chunk(n_microbatches, dim=chunk_dim)[0].to(dev)]
+    else:
+        args = []
+        for fp in first["args"]:
+            if fp[0] != "tensor":
+                return None
+            dtype = getattr(torch, fp[2])
+            args.append(torch.randn(fp[1], dtype=dtype, device=dev) if dtype.is_floating_point
+                        else torch.zeros(fp[1], dtype=dtype, device=dev))
+    size = x.shape[chunk_dim] if torch.is_tensor(x) and x.dim() > chunk_dim else 0
+    cut = chunk_kwargs(kwargs or {}, size, n_microbatches, chunk_dim)[0] if kwargs else {}
+    if any(k not in cut for k in first["kwargs"]):
+        return None
+    kw = {k: cut[k].to(dev) if torch.is_tensor(cut[k]) else cut[k] for k in first["kwargs"]}
+    ran: set[str] = set()
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: ran.add(n)) for n, m in stage.submod.named_modules()]
+    kept = {n: b.detach().clone() for n, b in stage.submod.named_buffers()}
+    try:
+        with torch.no_grad():
+            stage.submod(*args, **kw)
+    except Exception:  # noqa: BLE001  (values a forward does not take: not told)
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for n, b in stage.submod.named_buffers():
+                if n in kept:
+                    b.copy_(kept[n])
+    return ran
+
+
+def why_no_grad(stage, own_name: str, ran: set[str] | None) -> str:
+    """Why a parameter the unsplit model gives a gradient got none on the stage, from whether its module
+    ran in the stage's forward (`modules_that_ran`)."""
+    owner = own_name.rpartition(".")[0]
+    if ran is None:
+        return "its module did not run in the stage's forward, or its output was cut off from the loss"
+    if owner in ran:
+        return ("its module ran in the stage's forward but its output was cut off from the loss (a .detach(), "
+                "torch.no_grad(), a value replaced after it)")
+    return "its module never ran in the stage's forward (a layer skipped or left out of the stage's forward)"

@@ -173,9 +173,13 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: tor
         lines.append(f"the output differs ({outputs[0].ratio:.3g}x its floor): a forward on some stage")
     if losses:
         n_mb = sum(1 for f in figures if f.kind == "loss")
-        which = "every microbatch's loss" if len(losses) == n_mb else \
-            f"the loss of microbatch{'es' if len(losses) > 1 else ''} {', '.join(f.name for f in losses)}"
-        lines.append(f"{which} differs (up to {max(f.ratio for f in losses):.3g}x its floor)")
+        top = max(f.ratio for f in losses)
+        if len(losses) == n_mb:
+            lines.append(f"every microbatch's loss differs (up to {top:.3g}x its floor)")
+        else:
+            lines.append(f"the loss of microbatch{'es' if len(losses) > 1 else ''} "
+                         f"{', '.join(f.name for f in losses)} differs (up to {top:.3g}x its floor); "
+                         + _the_others(figures, multiple))
     if grads:
         stages = sorted({f.stage for f in grads if f.stage is not None})
         worst = ", ".join(f"stage {f.stage}'s {f.name!r} ({f.ratio:.3g}x)" for f in grads[:SHOWN])
@@ -201,6 +205,17 @@ def where(figures: list[Figure], multiple: float = NOISE_MULTIPLE, autocast: tor
     return "; ".join(lines)
 
 
+def _the_others(figures: list[Figure], multiple: float) -> str:
+    """Whether the microbatches whose losses are within their floors agree, or moved too (a bug on every
+    microbatch shows first where the floor is lowest: not a bug of those microbatches alone)."""
+    others = [f.ratio for f in figures if f.kind == "loss" and f.ratio <= multiple]
+    moved = max(others, default=0.0)
+    if moved > 1.0:
+        return (f"the others moved too (up to {moved:.2g}x their floors, within the limit): every microbatch "
+                f"moved, a bug on the whole batch, not on those microbatches alone")
+    return f"the others agree (at most {moved:.2g}x their floors)"
+
+
 def within_noise(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> bool:
     """Every tensor of the step within `multiple` times its floor."""
     return all(f.ratio <= multiple for f in figures if f.kind in STEP_KINDS)
@@ -211,7 +226,7 @@ def travel_hint(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
     microbatches or activations travelled, or the loss."""
     losses = [f for f in figures if f.kind == "loss"]
     bad = [f for f in losses if f.ratio > multiple]
-    if bad and len(bad) < len(losses):
+    if bad and len(bad) < len(losses) and max(f.ratio for f in losses if f.ratio <= multiple) <= 1.0:
         return (f"only the loss{'es' if len(bad) > 1 else ''} of microbatch{'es' if len(bad) > 1 else ''} "
                 f"{', '.join(f.name for f in bad)} differ{'' if len(bad) > 1 else 's'}: those microbatches travelled "
                 f"differently (fed in another order, or their inputs, targets or per-microbatch kwargs are not the "
@@ -221,6 +236,10 @@ def travel_hint(figures: list[Figure], multiple: float = NOISE_MULTIPLE) -> str:
         return (f"every microbatch's loss is the reference's times {fits[0]:.4g}: the loss is normalised or scaled "
                 f"differently (a mean over each microbatch's own tokens instead of the batch's: check_token_step; "
                 f"a loss divided twice)")
+    if bad and len(bad) < len(losses):
+        return (f"the losses of microbatches {', '.join(f.name for f in bad)} are outside their floors and every other "
+                f"microbatch's moved too: something the whole batch goes through (a loss, a normalisation, the cut "
+                f"of the batch), not those microbatches alone")
     if bad:
         return ("every microbatch's loss differs: the microbatches were cut differently from the whole batch (along "
                 "a dim other than the batch: the layout, chunk_dim; per-microbatch kwargs), or the loss is not the "

@@ -166,6 +166,18 @@ class Check:
     values: list[str] = field(default_factory=list)
     """Stage parameters that do not hold the unsplit model's values before the step (a loading or copying
     bug), each with its largest difference: reported before anything else."""
+    no_grad_why: list[str] = field(default_factory=list)
+    """Why each of `no_grad` got no gradient (its module never ran in the stage's forward, or ran and its
+    output was cut off from the loss: labkit.worker.located.why_no_grad), in the same order."""
+
+    def __post_init__(self):
+        if self.no_grad and not self.no_grad_why:  # "stage 1's 'w' (why)", as the ranks gathered them
+            named = [n.partition(" (") for n in self.no_grad]
+            self.no_grad, self.no_grad_why = [n for n, _, _ in named], [w.rstrip(")") for _, _, w in named]
+        # one first place: a weight loaded wrong or a parameter given no gradient is what `failure` leads
+        # with, so `where` says the same (not the gradient ratios it causes)
+        if not self.ok and (self.values or self.no_grad):
+            self.where = self.failure or self.where
 
     @property
     def worst_ratio(self) -> float:
@@ -183,9 +195,11 @@ class Check:
                     f"(a loading or copying bug): a stage must start from the unsplit model's weights (the same seed, "
                     f"checkpoint or copy), cast at most")
         if self.no_grad:
+            whys = list(dict.fromkeys(w for w in self.no_grad_why if w))
+            why = (": " + "; ".join(whys[:2])) if whys else ""
             return (f"{', '.join(self.no_grad[:3])}{' and others' if len(self.no_grad) > 3 else ''}: held by the "
-                    f"stage but received no gradient (unused in its forward?): every parameter a stage holds must "
-                    f"take part in its forward and backward, or be left out of the stage")
+                    f"stage, given a gradient by the unsplit model, but none by the step{why}. Every parameter a "
+                    f"stage holds must take part in its forward and backward as in the unsplit model")
         if self.compared != self.expected and self.reference_losses:
             return (f"gradients compared for {self.compared} of {self.expected} parameters: some of the unsplit "
                     "model's parameters are held by no stage (a layer left out of every stage?)")
@@ -301,7 +315,8 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
         return found, ref, why
     grads = c.grads if c.grads is not None else stage_grads(c.stages, c.prefix_stage_index)
     found.gmax, found.numel = _compare_grads(c.stages, grads, ref, probe, truth, c.prefix_stage_index, c.tied,
-                                             c.renamed, c.n_microbatches, found.figures, found.no_grad)
+                                             c.renamed, c.n_microbatches, found.figures, found.no_grad, c.x,
+                                             c.kwargs, c.chunk_dim)
     if c.has_last:
         found.ldiff = _compare_losses(mine, (ref, probe, truth), last_stage, c.full, found.figures)
     return found, ref, why
@@ -394,11 +409,13 @@ def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: l
 
 
 def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Reference | None, prefix_stage_index, tied,
-                   renamed, terms: int, figures: list, no_grad: list) -> tuple[float, int]:
+                   renamed, terms: int, figures: list, no_grad: list, x=None, kwargs=None,
+                   chunk_dim: int = 0) -> tuple[float, int]:
     """Each stage parameter's gradient against the reference: a figure each (appended to `figures`),
-    the parameters held but given no gradient (`no_grad`), the largest absolute difference and how
-    many elements were compared (a tied weight's copy is compared, not counted again)."""
-    worst, numel = 0.0, 0
+    the parameters held but given no gradient (`no_grad`, each with why: labkit.worker.located.why_no_grad),
+    the largest absolute difference and how many elements were compared (a tied weight's copy is compared,
+    not counted again)."""
+    worst, numel, ran = 0.0, 0, None
     for s in stages:
         for key, name, p in stage_names(s, prefix_stage_index):
             target = tied.get(name, renamed.get(name, name))
@@ -407,7 +424,10 @@ def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Refer
                 numel += 0 if name in tied else p.numel()
                 continue
             if g is None:  # named as the figures name it: the unsplit model's name
-                no_grad.append(f"stage {s.stage_index}'s {target!r}")
+                if ran is None or ran[0] is not s:
+                    ran = (s, located.modules_that_ran(s, x, kwargs, terms, chunk_dim))
+                own = key.split(".", 1)[1] if prefix_stage_index else key
+                no_grad.append(f"stage {s.stage_index}'s {target!r} ({located.why_no_grad(s, own, ran[1])})")
                 continue
             if r is None or g.shape != r.shape:
                 worst = float("inf")

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .boundaries import Cut, Departure, Recorder, _why, first_tensor, name_map, replay_stage, step_loss, up64
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
-from .located import say, value_diff
+from .located import fed_wrong, modules_that_ran, say, value_diff, why_no_grad
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, where
 from .reference import Check
 
@@ -222,7 +222,7 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
     parameters whose values are not the slice's, parameters with no gradient, the elements compared
     and the largest absolute gradient or loss difference."""
     R, C, T = refs["R"], refs["C"], refs["T"]
-    figs, values, no_grad, numel, worst = [], [], [], 0, 0.0
+    figs, values, no_grad, numel, worst, ran = [], [], [], 0, 0.0, None
     for s in run.stages:
         k = int(s.stage_index)
         theirs = {canonical(n): p for n, p in run.slices[k].named_parameters()}
@@ -233,7 +233,9 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
                 values.append(f"stage {k}'s {name!r} (max diff {d:.2g})")
             g, r = p.grad, R.grads.get((k, name))
             if g is None and r is not None:
-                no_grad.append(f"stage {k}'s {name!r}")
+                if ran is None or ran[0] is not s:
+                    ran = (s, modules_that_ran(s, run.x, run.kwargs, run.n_microbatches, run.chunk_dim))
+                no_grad.append(f"stage {k}'s {name!r} ({why_no_grad(s, n, ran[1])})")
                 continue
             if g is None or r is None:
                 continue
@@ -276,7 +278,9 @@ def _decide(run: _Run, refs: dict) -> Check:
 
 def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
     """Each of this rank's stages replayed in float64 on T's input at its cut, against its slice in
-    float64 (collective: every rank gets every departure)."""
+    float64 (collective: every rank gets every departure), after what each stage received against the
+    reference's cut (labkit.worker.inputs)."""
+    fed = fed_wrong(run.stages, run.x, run.kwargs, run.n_microbatches, run.chunk_dim, run.group)
     deps, figs = [], []
     for s in run.stages:
         k = int(s.stage_index)
@@ -305,4 +309,4 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
     dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
     departures = [Departure(**d) for ds, _ in gathered for d in ds]
     figures += [Figure(**f) for _, fs in gathered for f in fs]
-    return say(departures, figures, said, "its slice of the unsplit model")
+    return say(departures, figures, said, "its slice of the unsplit model", fed=fed)

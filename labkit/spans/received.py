@@ -1,0 +1,85 @@
+"""What each stage's forward received and returned, per microbatch: a fingerprint of every tensor (its
+shape, dtype and three float64 sums per row along the batch dim), kept on the stage until the next
+step overwrites it. The step check (labkit.worker.inputs) holds them against the reference's cut of
+the whole batch: a stage that received another microbatch's activation or kwarg is then named, not
+guessed from the losses.
+
+A fingerprint costs three reductions over each input and the output of a forward (no copy kept, no
+host sync: the sums stay on the tensor's device until the check reads them). `labkit.spans.record`
+calls `begin` from its wrapper of `forward_one_chunk`, in every process the kit starts (jobs, live
+ranks): a plain process without the kit records nothing, and the check then says so.
+
+May import: torch (imported where a fingerprint is taken: the spans recorder loads this module first)."""
+
+from __future__ import annotations
+
+ATTR = "_labkit_received"  # on a PipelineStage: {microbatch: {"args": [...], "kwargs": {...}, "out": ...}}
+_CHUNK = "_labkit_chunk"   # on a PipelineStage: the microbatch its forward is running now
+
+
+def fingerprint(v):
+    """A tensor's shape and dtype and, per row along dim 0, its sum, its sum of squares and a sum weighted
+    by position (which moves when values move within a row), in float64 on its device; a non-tensor's
+    repr (short)."""
+    import torch
+
+    if not torch.is_tensor(v):
+        return ("value", repr(v)[:80])
+    with torch.no_grad():
+        t = v.detach()
+        rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
+        rows = rows.to(torch.float64)
+        w = torch.cos(torch.arange(rows.shape[1], device=rows.device, dtype=torch.float64))
+        sums = torch.stack([rows.sum(1), (rows * rows).sum(1), (rows * w).sum(1)], dim=1)
+    return ("tensor", tuple(t.shape), str(t.dtype).replace("torch.", ""), sums)
+
+
+def on_host(fp):
+    """A fingerprint whose sums are on the CPU (to gather it over the ranks)."""
+    return fp[:3] + (fp[3].cpu(),) if fp[0] == "tensor" else fp
+
+
+def begin(stage, chunk_id) -> None:
+    """Called before `stage.forward_one_chunk(chunk_id, ...)`: hooks its module once, notes the microbatch."""
+    setattr(stage, _CHUNK, int(chunk_id) if isinstance(chunk_id, int) else chunk_id)
+    if getattr(stage, ATTR, None) is None:
+        setattr(stage, ATTR, {})
+        mod = stage.submod
+        mod.register_forward_pre_hook(_pre(stage), with_kwargs=True)
+        mod.register_forward_hook(_post(stage))
+
+
+def _pre(stage):
+    def hook(module, args, kwargs):
+        mb = getattr(stage, _CHUNK, None)
+        if mb is not None:
+            getattr(stage, ATTR)[mb] = {"args": [fingerprint(a) for a in args],
+                                        "kwargs": {k: fingerprint(v) for k, v in kwargs.items()}, "out": None}
+    return hook
+
+
+def _post(stage):
+    import torch
+
+    def hook(module, args, out):
+        mb = getattr(stage, _CHUNK, None)
+        got = getattr(stage, ATTR).get(mb)
+        if got is not None and got["out"] is None:
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            got["out"] = fingerprint(first) if torch.is_tensor(first) else None
+            setattr(stage, _CHUNK, None)  # a recompute (activation checkpointing) records nothing more
+    return hook
+
+
+def of_stages(stages) -> dict:
+    """This rank's record, on the host: {stage index: {microbatch: {"args", "kwargs", "out"}}}; a stage
+    with no record (no forward under the kit) is left out."""
+    out = {}
+    for s in stages:
+        got = getattr(s, ATTR, None)
+        if got:
+            out[int(s.stage_index)] = {mb: {"args": [on_host(a) for a in r["args"]],
+                                            "kwargs": {k: on_host(v) for k, v in r["kwargs"].items()},
+                                            "out": None if r["out"] is None else on_host(r["out"])}
+                                       for mb, r in got.items() if isinstance(mb, int)}
+    return out
