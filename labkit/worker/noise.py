@@ -75,17 +75,21 @@ def eps_of(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
-def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tensor, probe: torch.Tensor,
-           terms: int = 1, dtype: torch.dtype | None = None, truth: torch.Tensor | None = None) -> Figure:
+def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tensor, probe: torch.Tensor | None,
+           terms: int = 1, dtype: torch.dtype | None = None, truth: torch.Tensor | None = None, *,
+           reorder: float | None = None, own: float | None = None) -> Figure:
     """The figure of one tensor; compared in float64, on the reference's device. `terms`: how many
     parts were added up into it in an order the reference does not know (the microbatches, times the
     replicas: a gradient); `dtype`: what it was kept in, where the tensors given are not (losses
-    passed as Python floats)."""
-    p, r, c = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref, probe))
+    passed as Python floats). `reorder`, `own`: max|probe - ref| and max|truth - ref| already taken (a check
+    that frees each reference's tensors as soon as it has read them, labkit.worker.stagewise)."""
+    p, r = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref))
     scale = float(r.abs().max()) if r.numel() else 0.0
-    reorder = float((c - r).abs().max()) if r.numel() else 0.0
-    own = float((truth.detach().to(ref.device, torch.float64) - r).abs().max()) \
-        if truth is not None and r.numel() else None
+    if reorder is None:
+        reorder = float((probe.detach().to(ref.device, torch.float64) - r).abs().max()) if r.numel() else 0.0
+    if own is None:
+        own = float((truth.detach().to(ref.device, torch.float64) - r).abs().max()) \
+            if truth is not None and r.numel() else None
     noise = reorder if own is None else min(reorder, own)  # the reference's own error: no cut of the batch fakes it
     floor = max(noise + MIN_FLOOR_ULPS * terms * eps_of(dtype or ref.dtype) * scale, torch.finfo(torch.float64).tiny)
     err = float((p - r).abs().max()) if r.numel() else 0.0

@@ -18,6 +18,7 @@ May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,8 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
     run = _Run(dict(slices), list(stages), x, y, list(losses or []), n_microbatches, loss_fn, autocast,
                kwargs or {}, torch.device(device), chunk_dim, group)
     _agree(run)
-    refs = {mode: _chain(run, mode) for mode in ("R", "C", "T")}
+    refs = {"R": _chain(run, "R")}
+    refs.update({mode: _chain(run, mode, against=refs["R"]) for mode in ("C", "T")})
     return _decide(run, refs)
 
 
@@ -134,11 +136,15 @@ def _agree(run: _Run) -> None:
 @dataclass
 class _Chain:
     """One reference chain's results on this rank: the losses (last stage), each of its slices'
-    gradients, and, for T, what the replay of a failed check needs at each of its cuts."""
+    gradients (R) or only what the figures read of them against R's (C: max|C - R|, T: max|T - R|, per
+    parameter: each freed as soon as it is read), and, for T, what the replay of a failed check needs
+    at each of its cuts."""
 
     losses: list[float] = field(default_factory=list)
     grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    """{(stage index, parameter name in the slice): its gradient}."""
+    """{(stage index, parameter name in the slice): its gradient} (R only)."""
+    diffs: dict[tuple[int, str], float] = field(default_factory=dict)
+    """{(stage index, name): max |this chain's gradient - R's|} (C and T)."""
     cuts: dict[int, Cut] = field(default_factory=dict)
 
 
@@ -148,73 +154,179 @@ def _send(run: _Run, obj, k: int) -> None:
                           group=run.group)
 
 
-def _recv(run: _Run, k: int):
+def _recv(run: _Run, k: int, device):
     box, src = [None], run.holders[k]
     dist.recv_object_list(box, src=dist.get_global_rank(run.group, src) if run.group is not None else src,
                           group=run.group)
-    return [t.to(run.device) if torch.is_tensor(t) else t for t in box[0]]
+    return box[0].to(device) if torch.is_tensor(box[0]) else box[0]
 
 
-def _chain(run: _Run, mode: str) -> _Chain:
-    """The unsplit model run along the pipeline on the whole batch: "R" in the step's dtype and
-    autocast, "C" microbatch by microbatch (its gradients summed, over the microbatch count), "T" in
-    float64. Activations go forward from stage to stage, their gradients back."""
-    me, m, out = dist.get_rank(run.group), run.n_microbatches, _Chain()
-    up = up64 if mode == "T" else (lambda v: v)
-    mods = {k: (_copy64(sl) if mode == "T" else sl) for k, sl in run.slices.items()}
-    x, y, kw = up(run.x), up(run.y), {k: up(v) for k, v in run.kwargs.items()}
-    size = x.shape[run.chunk_dim] if torch.is_tensor(x) and x.dim() > run.chunk_dim else 0
-    kws = chunk_kwargs(kw, size, m, run.chunk_dim) if mode == "C" else [kw]
-    ctx = autocast_ctx(run.device, None if mode == "T" else run.autocast)
-    graph = {}
-    for k in range(run.n_stages):
-        if run.holders[k] != me:
-            continue
-        parts = (list(x.chunk(m, dim=run.chunk_dim)) if mode == "C" else [x]) if k == 0 else \
-            (graph[k - 1][1] if run.holders[k - 1] == me else _recv(run, k - 1))
-        ins = [p.detach().requires_grad_(True) if p.is_floating_point() else p for p in parts]
-        with torch.enable_grad(), ctx:
-            outs = [first_tensor(mods[k](a, **kwp)) for a, kwp in zip(ins, kws)]
-        graph[k] = (ins, outs)
-        if k + 1 < run.n_stages and run.holders[k + 1] != me:
-            _send(run, [o.detach().cpu() for o in outs], k + 1)
-    for k in reversed(range(run.n_stages)):
-        if run.holders[k] != me:
-            continue
-        ins, outs = graph[k]
-        if k + 1 == run.n_stages:
-            with torch.enable_grad(), ctx:
-                per = [run.loss_fn(o, t) for o, t in zip(outs[0].chunk(m, dim=run.chunk_dim),
-                                                         y.chunk(m, dim=run.chunk_dim))] if len(outs) == 1 else \
-                    [run.loss_fn(o, t) for o, t in zip(outs, y.chunk(m, dim=run.chunk_dim))]
-            out.losses = [float(v.detach()) for v in per]
-            roots, grads_out = [torch.stack(per).mean()], [None]
-        else:
-            grads_out = graph[k + 1][2] if run.holders[k + 1] == me else _recv(run, k + 1)
-            roots = outs
-        params = [p for p in mods[k].parameters() if p.requires_grad]
-        leaves = [a for a in ins if a.requires_grad] if k > 0 else []
-        got = torch.autograd.grad(roots, leaves + params, grads_out, allow_unused=True)
-        in_grads = list(got[:len(leaves)])
-        graph[k] = (ins, outs, in_grads)
-        # keyed by (stage, name): two stages of one rank may name their parameters alike (each built from
-        # one block class: 'lin.weight' on stage 0 and on stage 4), and must never share a gradient
-        names = [(k, canonical(n)) for n, p in mods[k].named_parameters() if p.requires_grad]
-        for n, g in zip(names, got[len(leaves):]):
-            if g is not None:
-                out.grads[n] = out.grads[n] + g if n in out.grads else g.detach()
-        if k > 0 and run.holders[k - 1] != me:
-            _send(run, [g.detach().cpu() for g in in_grads], k - 1)
-        if mode == "T":
-            last = k + 1 == run.n_stages
-            out.cuts[k] = Cut(ins[0].detach(), kw, outs[0].detach(), None if last else grads_out[0],
-                              step_loss(run.loss_fn, y, m, run.chunk_dim) if last else None)
+def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
+    """The unsplit model run along the pipeline on the whole batch: "R" in the step's dtype and autocast,
+    "C" microbatch by microbatch (one microbatch's graph at a time, its gradients summed, then over the
+    microbatch count, as the schedules' scale_grads), "T" in float64. Activations go forward from stage to
+    stage, their gradients back. The whole-batch chains keep only each block's input in their graph
+    (`_checkpointed`: each block recomputed in the backward, the same numbers). C and T read their
+    gradients against R's (`against`) and keep only those differences. On a GPU, C and T run on the host
+    (the device then holds only R's graph: labkit.worker.inputs' docstring)."""
+    m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
+    host = run.device.type == "cuda" and mode != "R"
+    dev = torch.device("cpu") if host else run.device
+    dtype = torch.float64 if mode == "T" else None
+    mods = {k: _copy(sl, dev, dtype) if (mode == "T" or host) else sl for k, sl in run.slices.items()}
+    move = lambda v: (up64(v) if mode == "T" else v).to(dev) if torch.is_tensor(v) else v  # noqa: E731
+    x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
+    ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
+    if mode != "C":
+        read = against.grads if mode == "T" and against is not None else None
+        with _checkpointed(mods.values()):
+            grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
+                                                                                       y.chunk(m, dim=d))],
+                          ctx, dev, out, cuts=mode == "T", y=y, read=read)
+    else:
+        size = x.shape[d] if torch.is_tensor(x) and x.dim() > d else 0
+        grads, xs, ys = {}, x.chunk(m, dim=d), y.chunk(m, dim=d)
+        for i, kwi in enumerate(chunk_kwargs(kw, size, m, d)):
+            part = _Chain()
+            got = _pass(run, mods, xs[i], kwi, lambda o, i=i: [run.loss_fn(o, ys[i])], ctx, dev, part, mean=False)
+            out.losses += part.losses
+            for key, g in got.items():
+                grads[key] = grads[key].add_(g) if key in grads else g
+        grads = {key: g / m for key, g in grads.items()}
+    if against is None:
+        out.grads = grads
+    else:
+        for key, g in grads.items():
+            r = against.grads.get(key)
+            if r is not None:
+                out.diffs[key] = float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
     return out
 
 
-def _copy64(module: nn.Module) -> nn.Module:
+def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, cuts: bool = False, y=None,
+          mean: bool = True, read: dict | None = None) -> dict:
+    """One forward and backward of this rank's slices along the chain on one input (the whole batch or a
+    microbatch): the losses into `out` (last stage), T's cuts when `cuts`; returns {(stage, name): grad}.
+    `read` (R's gradients; `mods` are the chain's own copies): each parameter's gradient is read against
+    R's into `out.diffs` the moment the backward has it, then dropped (`_read_as_made`): none is kept."""
+    me, graph, grads = dist.get_rank(run.group), {}, {}
+    for k in range(run.n_stages):
+        if run.holders[k] != me:
+            continue
+        a = x if k == 0 else (graph[k - 1][1] if run.holders[k - 1] == me else _recv(run, k - 1, dev))
+        a = a.detach().requires_grad_(True) if a.is_floating_point() else a
+        with torch.enable_grad(), ctx:
+            o = first_tensor(mods[k](a, **kw))
+        graph[k] = (a, o)
+        if k + 1 < run.n_stages and run.holders[k + 1] != me:
+            _send(run, o.detach().cpu(), k + 1)
+    for k in reversed(range(run.n_stages)):
+        if run.holders[k] != me:
+            continue
+        a, o = graph[k]
+        if k + 1 == run.n_stages:
+            with torch.enable_grad(), ctx:
+                per = losses_of(o)
+            out.losses += [float(v.detach()) for v in per]
+            root, grad_out = (torch.stack(per).mean() if mean else per[0]), None
+        else:
+            grad_out = graph[k + 1][2] if run.holders[k + 1] == me else _recv(run, k + 1, dev)
+            root = o
+        params = [(n, p) for n, p in mods[k].named_parameters() if p.requires_grad]
+        leaves = [a] if k > 0 and a.requires_grad else []
+        if read is not None:
+            a_grad = _read_as_made(k, root, grad_out, leaves, params, read, out.diffs)
+        else:
+            got = torch.autograd.grad([root], leaves + [p for _, p in params],
+                                      None if grad_out is None else [grad_out], allow_unused=True)
+            a_grad = got[0] if leaves else None
+            # keyed by (stage, name): two stages of one rank may name their parameters alike (each built from
+            # one block class: 'lin.weight' on stage 0 and on stage 4), and must never share a gradient
+            grads.update({(k, canonical(n)): g.detach() for (n, _), g in zip(params, got[len(leaves):])
+                          if g is not None})
+        graph[k] = (a, None, a_grad)
+        if k > 0 and run.holders[k - 1] != me:
+            _send(run, a_grad.detach().cpu() if a_grad is not None else None, k - 1)
+        if cuts:
+            last = k + 1 == run.n_stages
+            out.cuts[k] = Cut(a.detach(), kw, o.detach(), None if last else grad_out,
+                              step_loss(run.loss_fn, y, run.n_microbatches, run.chunk_dim) if last else None)
+    return grads
+
+
+def _read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict, diffs: dict):
+    """The backward of one stage whose parameters are the chain's own copies: each parameter's gradient
+    read against R's (max |g - r| into `diffs`) by a hook as soon as it is accumulated, then freed, so that
+    no more than one is held at a time; returns the gradient of the stage's input (None on the first)."""
+    hooks = []
+    for n, p in params:
+        key = (k, canonical(n))
+
+        def hook(param, key=key):
+            r = read.get(key)
+            if r is not None and param.grad is not None:
+                g = param.grad
+                diffs[key] = float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
+            param.grad = None
+        hooks.append(p.register_post_accumulate_grad_hook(hook))
+    try:
+        torch.autograd.backward([root], None if grad_out is None else [grad_out],
+                                inputs=leaves + [p for _, p in params])
+    finally:
+        for h in hooks:
+            h.remove()
+    return leaves[0].grad if leaves else None
+
+
+def _copy(module: nn.Module, device, dtype=None) -> nn.Module:
+    """A deep copy of `module` on `device` (floating tensors in `dtype` when given), made one tensor at a
+    time there: the module itself is never copied whole where it lives."""
     import copy
-    return copy.deepcopy(module).double()
+
+    memo = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        v = t.detach().to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        memo[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
+    return copy.deepcopy(module, memo)
+
+
+def _copy64(module: nn.Module) -> nn.Module:
+    return _copy(module, next(module.parameters()).device, torch.float64)
+
+
+@contextmanager
+def _checkpointed(modules):
+    """Each block of `modules` runs under torch.utils.checkpoint while inside: a whole-batch reference then
+    keeps each block's input, not its inner activations, and recomputes the block in the backward (the
+    same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's repeated
+    layers, found from the top."""
+    from torch.utils.checkpoint import checkpoint
+
+    wrapped = []
+    for module in modules:
+        for block in blocks_of(module):
+            had = block.__dict__.get("forward")
+            block.forward = lambda *a, _f=block.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+            wrapped.append((block, had))
+    try:
+        yield
+    finally:
+        for block, had in reversed(wrapped):
+            if had is None:
+                del block.__dict__["forward"]
+            else:
+                block.forward = had
+
+
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """Every module below `module` made of modules that hold parameters (a model's layers, and inside a
+    layer its attention and MLP), outermost first: checkpointed each, a layer's recompute in the backward
+    keeps only its parts' inputs, and each part is recomputed in turn (nested)."""
+    found = []
+    for name, m in module.named_modules():
+        if name and any(next(c.parameters(), None) is not None for c in m.children()):
+            found.append(m)
+    return found
 
 
 def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str], int, float]:
@@ -240,8 +352,8 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
             if g is None or r is None:
                 continue
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
-            figs.append(figure("grad", name, k, g, r, C.grads.get((k, name), r), run.n_microbatches,
-                               truth=T.grads.get((k, name))))
+            figs.append(figure("grad", name, k, g, r, None, run.n_microbatches, reorder=C.diffs.get((k, name), 0.0),
+                               own=T.diffs.get((k, name))))
             numel += p.numel()
     if any(s.is_last for s in run.stages):
         f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
