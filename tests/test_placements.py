@@ -208,3 +208,28 @@ def test_a_detached_output_is_named_as_cut_off_not_unused(pool2, how):
     assert not ok and no_grad and all(n.startswith("stage 1's ") for n in no_grad), (no_grad, failure)
     assert "its module ran in the stage's forward but its output was cut off from the loss" in failure, failure
     assert where == failure
+
+
+@pytest.mark.launches
+def test_check_step_too_large_for_a_rank_says_so_before_it_starts(pool2):
+    """A model whose references do not fit where the step ran: the estimate and check_stages, on every
+    rank, before any of the check's collectives (the rank's free memory is what fits.free_bytes reads)."""
+    code = """
+import labkit.worker.fits as fits
+_free, fits.free_bytes = fits.free_bytes, lambda device: 1_000   # a rank with 1 kB free
+try:
+    case("Schedule1F1B", 1, True, "step")
+    said = "no error"
+except labkit.CheckStepError as e:
+    said = str(e)
+finally:
+    fits.free_bytes = _free
+ok_after = case("Schedule1F1B", 1, True, "step")[0]
+said, ok_after, fits.need_bytes(nn.Sequential(Block(), Block()))
+"""
+    out = pool2.exec(code)
+    said, ok_after, need = out[0]
+    assert out[0] == out[1]
+    assert "check_step needs at least" in said and "labkit.worker.check_stages" in said, said
+    assert ok_after
+    assert need == 2 * (2 * 8 + 8 * 8 + 8) * (3 * 4 + 16)  # 2 blocks of LayerNorm(8) and Linear(8, 8), float32

@@ -66,6 +66,7 @@ def _verdict(reports: list[dict], ranks: list[int], n_microbatches, loss_fn, gro
     problems += _stage_problems(reports, ranks, group)
     problems += _loss_problems(reports, ranks, n_microbatches, loss_fn)
     problems += _name_problems(reports)
+    problems += [f"rank {ranks[r]}: {rep['too_large']}" for r, rep in enumerate(reports) if rep.get("too_large")][:1]
     return list(dict.fromkeys(problems))
 
 
@@ -208,6 +209,9 @@ class _Call:
     clip_grad_norm: float | None
     autocast: Any
     values: dict | None = None
+    compiled: dict | None = None
+    """None: no stage of the pipeline is compiled; else what compiling changed, measured
+    (labkit.worker.compiled_floor.probes_for_check_step)."""
     inferred: bool = False
     """prefix_stage_index was None and the names decided it (`_agree_comparable`)."""
 
@@ -226,6 +230,13 @@ def _agree_comparable(c: _Call) -> None:
     mine = [False, True] if c.prefix_stage_index is None else [bool(c.prefix_stage_index)]
     report = {o: _local_report(c.full, c.stages, c.losses, c.loss_fn, c.output, o, c.tied, c.renamed, c.extra,
                                tuple(batch.shape) if torch.is_tensor(batch) else None) for o in mine}
+    from .fits import too_large
+
+    big = too_large(c.full, c.device)  # the same on every naming: said once, on every rank
+    from .compiled_floor import is_compiled
+
+    for r in report.values():
+        r["too_large"], r["compiled"] = big, any(is_compiled(s.submod) for s in c.stages)
     reports = [None] * dist.get_world_size(c.group)
     dist.all_gather_object(reports, report, group=c.group)
     ranks = [dist.get_global_rank(c.group, r) if c.group is not None else r for r in range(len(reports))]
@@ -235,6 +246,7 @@ def _agree_comparable(c: _Call) -> None:
     chosen = next((o for o in options if not verdicts[o]), options[0])
     if c.prefix_stage_index is None:
         c.prefix_stage_index, c.inferred = bool(chosen), True
+    c.compiled = {} if any(next(iter(r.values()))["compiled"] for r in reports) else None
     problems = verdicts[chosen]
     if problems:
         raise CheckStepError("check_step cannot compare this step (the same on every rank of the pipeline):\n"

@@ -65,6 +65,7 @@ class Figure:
     fit: float = 1.0          # <P, R> / <R, R>: the factor P is R scaled by (1 when equal)
     reorder: float = 0.0      # max |microbatched - reference|: the reference against itself in a pipeline's order
     own: float | None = None  # max |reference - float64 truth|: the reference's own rounding (None: no truth)
+    compiled: float | None = None  # what a compiled pipeline added to the floor (labkit.worker.compiled_floor)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,12 +78,14 @@ def eps_of(dtype: torch.dtype) -> float:
 
 def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tensor, probe: torch.Tensor | None,
            terms: int = 1, dtype: torch.dtype | None = None, truth: torch.Tensor | None = None, *,
-           reorder: float | None = None, own: float | None = None) -> Figure:
+           reorder: float | None = None, own: float | None = None, compiled: float | None = None) -> Figure:
     """The figure of one tensor; compared in float64, on the reference's device. `terms`: how many
     parts were added up into it in an order the reference does not know (the microbatches, times the
     replicas: a gradient); `dtype`: what it was kept in, where the tensors given are not (losses
     passed as Python floats). `reorder`, `own`: max|probe - ref| and max|truth - ref| already taken (a check
-    that frees each reference's tensors as soon as it has read them, labkit.worker.stagewise)."""
+    that frees each reference's tensors as soon as it has read them, labkit.worker.stagewise). `compiled`:
+    the pipeline has a compiled stage: what compiling measured for this tensor (0: nothing measured), taken
+    with one more rounding of the reference's own into the floor (labkit.worker.compiled_floor)."""
     p, r = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref))
     scale = float(r.abs().max()) if r.numel() else 0.0
     if reorder is None:
@@ -91,11 +94,14 @@ def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tens
         own = float((truth.detach().to(ref.device, torch.float64) - r).abs().max()) \
             if truth is not None and r.numel() else None
     noise = reorder if own is None else min(reorder, own)  # the reference's own error: no cut of the batch fakes it
+    if compiled is not None:  # a compiled pipeline: one more rounding of its own, or what compiling measured here
+        compiled = max(reorder if own is None else own, compiled)
+        noise += compiled
     floor = max(noise + MIN_FLOOR_ULPS * terms * eps_of(dtype or ref.dtype) * scale, torch.finfo(torch.float64).tiny)
     err = float((p - r).abs().max()) if r.numel() else 0.0
     rr = float((r * r).sum())
     fit = float((p * r).sum()) / rr if rr > 0 else 1.0
-    return Figure(kind, name, stage, err, floor, scale, err / floor, fit, reorder, own)
+    return Figure(kind, name, stage, err, floor, scale, err / floor, fit, reorder, own, compiled)
 
 
 def reference_copy(model: nn.Module) -> nn.Module:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from . import located
 from .boundaries import stage_names
 from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (CheckStepError: part of this API)
+from .compared import compare_grads, compare_losses
 from .noise import (NOISE_MULTIPLE, STEP_KINDS, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy,
                     summary, where, within_noise)
 from .shared import digest, is_shared, memo, module_key
@@ -314,11 +315,13 @@ def _compare(c: _Call) -> tuple[_Findings, Reference, list[str]]:
                                         truth=truth.output if truth else None))
         return found, ref, why
     grads = c.grads if c.grads is not None else stage_grads(c.stages, c.prefix_stage_index)
-    found.gmax, found.numel = _compare_grads(c.stages, grads, ref, probe, truth, c.prefix_stage_index, c.tied,
-                                             c.renamed, c.n_microbatches, found.figures, found.no_grad, c.x,
-                                             c.kwargs, c.chunk_dim)
+    if c.compiled is not None:  # a compiled pipeline: what compiling changes, measured (every rank: collective)
+        from .compiled_floor import probes_for_check_step
+
+        c.compiled = probes_for_check_step(c)
+    found.gmax, found.numel = compare_grads(c, grads, (ref, probe, truth), found.figures, found.no_grad)
     if c.has_last:
-        found.ldiff = _compare_losses(mine, (ref, probe, truth), last_stage, c.full, found.figures)
+        found.ldiff = compare_losses(c, mine, (ref, probe, truth), last_stage, found.figures)
     return found, ref, why
 
 
@@ -340,21 +343,6 @@ def _references_key(c: _Call) -> tuple | None:
         return None
     return ("references", model, digest(c.x, c.y, c.kwargs or {}), c.n_microbatches, c.loss_fn, str(c.device),
             c.chunk_dim, c.clip_grad_norm, str(c.autocast), torch.is_grad_enabled())
-
-
-def _compare_losses(mine: list[float], refs: tuple, last_stage, full: nn.Module, figures: list) -> float:
-    """The pipelined losses against the references' (a figure each, appended to `figures`); the
-    largest absolute difference (inf when the counts differ)."""
-    ref, probe, truth = refs
-    ldiff = max((abs(p - r) for p, r in zip(mine, ref.losses)), default=float("inf"))
-    if len(mine) != len(ref.losses):
-        return float("inf")
-    f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    truths = truth.losses if truth else [None] * len(mine)
-    figures += [figure("loss", str(i), last_stage, f64(p), f64(r), f64(c), 1, next(full.parameters()).dtype,
-                       None if t is None else f64(t))
-                for i, (p, r, c, t) in enumerate(zip(mine, ref.losses, probe.losses, truths))]
-    return ldiff
 
 
 def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check:
@@ -406,34 +394,3 @@ def _notes(c: _Call, ok: bool, figures: list[Figure], dropped: list[str], why: l
         notes.append(f"no float64 truth (the model or loss would not run in float64: {why[0]}): each floor is the "
                      f"reference against itself microbatch by microbatch alone, which a cut of the batch can fool")
     return notes
-
-
-def _compare_grads(stages, grads, ref: Reference, probe: Reference, truth: Reference | None, prefix_stage_index, tied,
-                   renamed, terms: int, figures: list, no_grad: list, x=None, kwargs=None,
-                   chunk_dim: int = 0) -> tuple[float, int]:
-    """Each stage parameter's gradient against the reference: a figure each (appended to `figures`),
-    the parameters held but given no gradient (`no_grad`, each with why: labkit.worker.located.why_no_grad),
-    the largest absolute difference and how many elements were compared (a tied weight's copy is compared,
-    not counted again)."""
-    worst, numel, ran = 0.0, 0, None
-    for s in stages:
-        for key, name, p in stage_names(s, prefix_stage_index):
-            target = tied.get(name, renamed.get(name, name))
-            g, r, c = grads.get(key), ref.grads.get(target), probe.grads.get(target)
-            if g is None and r is None:  # used by neither: nothing to compare, nothing missing
-                numel += 0 if name in tied else p.numel()
-                continue
-            if g is None:  # named as the figures name it: the unsplit model's name
-                if ran is None or ran[0] is not s:
-                    ran = (s, located.modules_that_ran(s, x, kwargs, terms, chunk_dim))
-                own = key.split(".", 1)[1] if prefix_stage_index else key
-                no_grad.append(f"stage {s.stage_index}'s {target!r} ({located.why_no_grad(s, own, ran[1])})")
-                continue
-            if r is None or g.shape != r.shape:
-                worst = float("inf")
-                continue
-            worst = max(worst, float((g.to(r.device) - r).abs().max()))
-            t = truth.grads.get(target) if truth else None
-            figures.append(figure("grad", target, int(s.stage_index), g, r, c if c is not None else r, terms, truth=t))
-            numel += 0 if name in tied else p.numel()
-    return worst, numel

@@ -18,7 +18,6 @@ May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .boundaries import Cut, Departure, Recorder, _why, first_tensor, name_map, replay_stage, step_loss, up64
+from .compiled_floor import is_compiled, probe
+from .lean import checkpointed, copy64, copy_to, read_as_made
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
 from .located import fed_wrong, modules_that_ran, say, value_diff, why_no_grad
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, where
@@ -54,6 +55,13 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
                kwargs or {}, torch.device(device), chunk_dim, group)
     _agree(run)
     refs = {"R": _chain(run, "R")}
+    if run.compiled is not None:
+        for k, (a0, kw0, grad0, loss0) in refs["R"].mb0.items():
+            s = run.stage(k)
+            if is_compiled(s.submod):
+                got = probe(s.submod, a0, kw0, grad0, loss0, autocast_ctx(run.device, run.autocast))
+                run.compiled.update({(k, canonical(n)): v for n, v in got.items()})
+        refs["R"].mb0.clear()
     refs.update({mode: _chain(run, mode, against=refs["R"]) for mode in ("C", "T")})
     return _decide(run, refs)
 
@@ -73,6 +81,9 @@ class _Run:
     chunk_dim: int
     group: object
     holders: dict = field(default_factory=dict)
+    compiled: dict | None = None
+    """None: no stage of the pipeline is compiled; else {(stage, name): what compiling changed in this
+    rank's compiled stages' gradients ("" : the loss)}, labkit.worker.compiled_floor."""
     """{stage index: the group rank that holds it}, agreed by `_agree`."""
 
     @property
@@ -116,7 +127,8 @@ def _agree(run: _Run) -> None:
               "num_stages": max((int(getattr(s, "num_stages", 0) or 0) for s in run.stages), default=0),
               "chunks": sorted({int(c) for s in run.stages if (c := getattr(s, "chunks", None)) is not None}),
               "n_losses": len(run.losses), "has_output": False, "n_extra": 0,
-              "batch": tuple(run.y.shape) if torch.is_tensor(run.y) else None, "slices": _slice_problems(run)}
+              "batch": tuple(run.y.shape) if torch.is_tensor(run.y) else None, "slices": _slice_problems(run),
+              "compiled": any(is_compiled(s.submod) for s in run.stages)}
     reports = [None] * dist.get_world_size(run.group)
     dist.all_gather_object(reports, report, group=run.group)
     ranks = [dist.get_global_rank(run.group, r) if run.group is not None else r for r in range(len(reports))]
@@ -131,6 +143,7 @@ def _agree(run: _Run) -> None:
         raise CheckStepError("check_stages cannot compare this step (the same on every rank of the pipeline):\n"
                              + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
     run.holders = {k: r for r, rep in enumerate(reports) for k in rep["stages"]}
+    run.compiled = {} if any(rep["compiled"] for rep in reports) else None
 
 
 @dataclass
@@ -146,6 +159,9 @@ class _Chain:
     diffs: dict[tuple[int, str], float] = field(default_factory=dict)
     """{(stage index, name): max |this chain's gradient - R's|} (C and T)."""
     cuts: dict[int, Cut] = field(default_factory=dict)
+    mb0: dict[int, tuple] = field(default_factory=dict)
+    """R, where a stage is compiled: {stage: (microbatch 0's input at its cut, its kwargs, the gradient at
+    its output for that microbatch alone or None, its loss or None)}, for labkit.worker.compiled_floor."""
 
 
 def _send(run: _Run, obj, k: int) -> None:
@@ -166,23 +182,23 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     "C" microbatch by microbatch (one microbatch's graph at a time, its gradients summed, then over the
     microbatch count, as the schedules' scale_grads), "T" in float64. Activations go forward from stage to
     stage, their gradients back. The whole-batch chains keep only each block's input in their graph
-    (`_checkpointed`: each block recomputed in the backward, the same numbers). C and T read their
+    (`lean.checkpointed`: each block recomputed in the backward, the same numbers). C and T read their
     gradients against R's (`against`) and keep only those differences. On a GPU, C and T run on the host
     (the device then holds only R's graph: labkit.worker.inputs' docstring)."""
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
     dtype = torch.float64 if mode == "T" else None
-    mods = {k: _copy(sl, dev, dtype) if (mode == "T" or host) else sl for k, sl in run.slices.items()}
+    mods = {k: copy_to(sl, dev, dtype) if (mode == "T" or host) else sl for k, sl in run.slices.items()}
     move = lambda v: (up64(v) if mode == "T" else v).to(dev) if torch.is_tensor(v) else v  # noqa: E731
     x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
     ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
     if mode != "C":
         read = against.grads if mode == "T" and against is not None else None
-        with _checkpointed(mods.values()):
+        with checkpointed(mods.values()):
             grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
                                                                                        y.chunk(m, dim=d))],
-                          ctx, dev, out, cuts=mode == "T", y=y, read=read)
+                          ctx, dev, out, cuts=mode == "T", y=y, read=read, mode_r=mode == "R")
     else:
         size = x.shape[d] if torch.is_tensor(x) and x.dim() > d else 0
         grads, xs, ys = {}, x.chunk(m, dim=d), y.chunk(m, dim=d)
@@ -204,7 +220,7 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
 
 
 def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, cuts: bool = False, y=None,
-          mean: bool = True, read: dict | None = None) -> dict:
+          mean: bool = True, read: dict | None = None, mode_r: bool = False) -> dict:
     """One forward and backward of this rank's slices along the chain on one input (the whole batch or a
     microbatch): the losses into `out` (last stage), T's cuts when `cuts`; returns {(stage, name): grad}.
     `read` (R's gradients; `mods` are the chain's own copies): each parameter's gradient is read against
@@ -235,7 +251,7 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
         params = [(n, p) for n, p in mods[k].named_parameters() if p.requires_grad]
         leaves = [a] if k > 0 and a.requires_grad else []
         if read is not None:
-            a_grad = _read_as_made(k, root, grad_out, leaves, params, read, out.diffs)
+            a_grad = read_as_made(k, root, grad_out, leaves, params, read, out.diffs)
         else:
             got = torch.autograd.grad([root], leaves + [p for _, p in params],
                                       None if grad_out is None else [grad_out], allow_unused=True)
@@ -245,6 +261,13 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             grads.update({(k, canonical(n)): g.detach() for (n, _), g in zip(params, got[len(leaves):])
                           if g is not None})
         graph[k] = (a, None, a_grad)
+        if run.compiled is not None and mode_r:
+            m, d, last = run.n_microbatches, run.chunk_dim, k + 1 == run.n_stages
+            size = a.shape[d] if a.dim() > d else 0
+            y0 = y.chunk(m, dim=d)[0] if last else None
+            out.mb0[k] = (a.detach().chunk(m, dim=d)[0], chunk_kwargs(kw, size, m, d)[0] if kw else {},
+                          None if last else grad_out.chunk(m, dim=d)[0] * m,
+                          (lambda o, y0=y0: run.loss_fn(o, y0)) if last else None)
         if k > 0 and run.holders[k - 1] != me:
             _send(run, a_grad.detach().cpu() if a_grad is not None else None, k - 1)
         if cuts:
@@ -252,81 +275,6 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             out.cuts[k] = Cut(a.detach(), kw, o.detach(), None if last else grad_out,
                               step_loss(run.loss_fn, y, run.n_microbatches, run.chunk_dim) if last else None)
     return grads
-
-
-def _read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict, diffs: dict):
-    """The backward of one stage whose parameters are the chain's own copies: each parameter's gradient
-    read against R's (max |g - r| into `diffs`) by a hook as soon as it is accumulated, then freed, so that
-    no more than one is held at a time; returns the gradient of the stage's input (None on the first)."""
-    hooks = []
-    for n, p in params:
-        key = (k, canonical(n))
-
-        def hook(param, key=key):
-            r = read.get(key)
-            if r is not None and param.grad is not None:
-                g = param.grad
-                diffs[key] = float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
-            param.grad = None
-        hooks.append(p.register_post_accumulate_grad_hook(hook))
-    try:
-        torch.autograd.backward([root], None if grad_out is None else [grad_out],
-                                inputs=leaves + [p for _, p in params])
-    finally:
-        for h in hooks:
-            h.remove()
-    return leaves[0].grad if leaves else None
-
-
-def _copy(module: nn.Module, device, dtype=None) -> nn.Module:
-    """A deep copy of `module` on `device` (floating tensors in `dtype` when given), made one tensor at a
-    time there: the module itself is never copied whole where it lives."""
-    import copy
-
-    memo = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        v = t.detach().to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
-        memo[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
-    return copy.deepcopy(module, memo)
-
-
-def _copy64(module: nn.Module) -> nn.Module:
-    return _copy(module, next(module.parameters()).device, torch.float64)
-
-
-@contextmanager
-def _checkpointed(modules):
-    """Each block of `modules` runs under torch.utils.checkpoint while inside: a whole-batch reference then
-    keeps each block's input, not its inner activations, and recomputes the block in the backward (the
-    same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's repeated
-    layers, found from the top."""
-    from torch.utils.checkpoint import checkpoint
-
-    wrapped = []
-    for module in modules:
-        for block in blocks_of(module):
-            had = block.__dict__.get("forward")
-            block.forward = lambda *a, _f=block.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-            wrapped.append((block, had))
-    try:
-        yield
-    finally:
-        for block, had in reversed(wrapped):
-            if had is None:
-                del block.__dict__["forward"]
-            else:
-                block.forward = had
-
-
-def blocks_of(module: nn.Module) -> list[nn.Module]:
-    """Every module below `module` made of modules that hold parameters (a model's layers, and inside a
-    layer its attention and MLP), outermost first: checkpointed each, a layer's recompute in the backward
-    keeps only its parts' inputs, and each part is recomputed in turn (nested)."""
-    found = []
-    for name, m in module.named_modules():
-        if name and any(next(c.parameters(), None) is not None for c in m.children()):
-            found.append(m)
-    return found
 
 
 def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str], int, float]:
@@ -353,16 +301,23 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
                 continue
             worst = max(worst, float((g.to(r.device) - r).abs().max()))
             figs.append(figure("grad", name, k, g, r, None, run.n_microbatches, reorder=C.diffs.get((k, name), 0.0),
-                               own=T.diffs.get((k, name))))
+                               own=T.diffs.get((k, name)), compiled=_compiled(run, k, name)))
             numel += p.numel()
     if any(s.is_last for s in run.stages):
         f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
         mine = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in run.losses]
         dtype = next(run.slices[run.n_stages - 1].parameters()).dtype
-        figs += [figure("loss", str(i), run.n_stages - 1, f64(p), f64(r), f64(c), 1, dtype, f64(t))
+        figs += [figure("loss", str(i), run.n_stages - 1, f64(p), f64(r), f64(c), 1, dtype, f64(t),
+                        compiled=_compiled(run, run.n_stages - 1, ""))
                  for i, (p, r, c, t) in enumerate(zip(mine, R.losses, C.losses, T.losses))]
         worst = max([worst] + [abs(p - r) for p, r in zip(mine, R.losses)])
     return figs, values, no_grad, numel, worst
+
+
+def _compiled(run: _Run, k: int, name: str) -> float | None:
+    """What compiling measured for stage k's `name` ("": the loss), 0.0 where nothing was measured in a
+    compiled pipeline, None where no stage is compiled (labkit.worker.compiled_floor)."""
+    return None if run.compiled is None else run.compiled.get((k, name), 0.0)
 
 
 def _decide(run: _Run, refs: dict) -> Check:
@@ -396,7 +351,7 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
     deps, figs = [], []
     for s in run.stages:
         k = int(s.stage_index)
-        ref64 = _copy64(run.slices[k])
+        ref64 = copy64(run.slices[k])
         rec = Recorder(ref64, lambda n: canonical(n + ".").rstrip(".") or None, keep_grad=True)
         cut = truth.cuts[k]
         a = cut.a_in.clone().requires_grad_(k > 0 and cut.a_in.is_floating_point())
