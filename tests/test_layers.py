@@ -1,6 +1,6 @@
 """Who may import whom: the kit's packages form layers, and no package imports one above it (every
 pair of modules is checked, lazy imports inside functions included). The layers, bottom first, are
-`LAYERS` (README, "The package"); within a package, modules import each other freely."""
+`LAYERS` (docs/layout.md, "The package"); within a package, modules import each other freely."""
 
 import ast
 import re
@@ -156,10 +156,18 @@ def test_the_log_format_has_one_home_both_sides_use():
     assert abs(event.time - 1732241358.636123) < 1e-6
 
 
-# The layering is written once, in LAYERS; README's table and each package's "May import" line are
-# checked against it here rather than kept by hand beside it.
+# The layering is written once, in LAYERS; the table in docs/layout.md (read with README.md and every docs
+# page) and each package's "May import" line are checked against it here rather than kept by hand beside it.
 
 README = PKG.parent / "README.md"
+DOCS = PKG.parent / "docs"
+
+
+def readme_and_docs() -> str:
+    """README.md and every docs/*.md page as one text: the layer table lives in docs/layout.md."""
+    return "\n".join(p.read_text() for p in [README, *sorted(DOCS.glob("*.md"))])
+
+
 _ROW = re.compile(r"^\| (\d+) \| `labkit/([\w./]+)` \| (.*) \|$", re.M)
 
 
@@ -177,23 +185,23 @@ def below(unit: str) -> set[str]:
 
 
 def test_readme_layer_table_is_layers():
-    """README's table, "The package, layer by layer": one row per unit of LAYERS, in its order,
+    """The table "The package, layer by layer" (docs/layout.md): one row per unit of LAYERS, in its order,
     numbered by its layer."""
-    rows = [(int(n), unit_of_path(p)) for n, p, _ in _ROW.findall(README.read_text())]
+    rows = [(int(n), unit_of_path(p)) for n, p, _ in _ROW.findall(readme_and_docs())]
     want = [(i, unit) for i, group in enumerate(LAYERS) for unit in group]
-    assert rows == want, ("README's layer table differs from tests/test_layers.py's LAYERS:\n"
-                          f"README: {rows}\nLAYERS: {want}")
+    assert rows == want, ("The layer table (docs/layout.md) differs from tests/test_layers.py's LAYERS:\n"
+                          f"docs: {rows}\nLAYERS: {want}")
 
 
 def test_readme_layer_table_names_every_module_of_a_package():
     missing = []
-    for _, path, text in _ROW.findall(README.read_text()):
+    for _, path, text in _ROW.findall(readme_and_docs()):
         if path.endswith("/"):
             for f in sorted((PKG / path).glob("*.py")):
                 named = any(re.search(rf"(?<![\w]){f.stem}(?![\w])", span) for span in re.findall(r"`([^`]+)`", text))
                 if f.stem != "__init__" and not named:
                     missing.append(f"labkit/{path}{f.name}")
-    assert not missing, "README's layer table does not name: " + ", ".join(missing)
+    assert not missing, "The layer table (docs/layout.md) does not name: " + ", ".join(missing)
 
 
 def may_import_line(doc: str) -> tuple[set[str], set[str]]:

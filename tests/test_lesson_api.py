@@ -1,10 +1,10 @@
-"""What a lesson may import: the modules and names of README's "The lesson API", and nothing else.
+"""What a lesson may import: the modules and names of "The lesson API" (docs/layout.md), and nothing else.
 
-The table in README.md is the one list: each row a public module and its `__all__`. Checked here: the
-table and each module's `__all__` agree and every name resolves; the notebooks (every code cell, the
-`%%ranks` cells that run on the ranks, and the rank code a cell sends as a string), their solutions
-and their scripts import only those names from only those modules; the package re-exports obey the
-layers of tests/test_layers.py; `import labkit` stays cheap.
+That table (found in README.md or a docs/*.md page) is the one list: each row a public module and its
+`__all__`. Checked here: the table and each module's `__all__` agree and every name resolves; the
+notebooks (every code cell, the `%%ranks` cells that run on the ranks, and the rank code a cell sends
+as a string), their solutions and their scripts import only those names from only those modules; the
+package re-exports obey the layers of tests/test_layers.py; `import labkit` stays cheap.
 """
 
 import ast
@@ -26,11 +26,13 @@ ROW = re.compile(r"^\| `(labkit[\w.]*)` \| .* \| ((?:`\w+`(?:, )?)+) \|$")
 
 
 def lesson_api() -> dict[str, list[str]]:
-    """README's "The lesson API" table: {public module: its names}."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## The lesson API\n", 1)[1].split("\n## ", 1)[0]
+    """The "The lesson API" table (README.md or a docs/*.md page: docs/layout.md): {public module: its names}."""
+    pages = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             if "\n## The lesson API\n" in p.read_text()]
+    assert len(pages) == 1, f"one page has the section '## The lesson API', not {len(pages)}: {pages}"
+    section = pages[0].read_text().split("\n## The lesson API\n", 1)[1].split("\n## ", 1)[0]
     rows = [ROW.match(line) for line in section.splitlines() if line.startswith("| `labkit")]
-    assert rows and all(rows), "README's lesson API table: | `module` | for | `name`, `name` | on each row"
+    assert rows and all(rows), "The lesson API table: | `module` | for | `name`, `name` | on each row"
     return {m.group(1): re.findall(r"`(\w+)`", m.group(2)) for m in rows}
 
 
@@ -80,7 +82,7 @@ def test_the_table_is_each_modules_all_and_every_name_resolves():
     assert {"labkit", "labkit.notebook"} <= set(API)
     for module, names in API.items():
         mod = importlib.import_module(module)
-        assert names == sorted(mod.__all__), f"README's row for {module} != its __all__: {sorted(mod.__all__)}"
+        assert names == sorted(mod.__all__), f"The lesson API row for {module} != its __all__: {sorted(mod.__all__)}"
         for name in names:
             assert getattr(mod, name) is not None, f"{module}.{name}"
     owners = [name for names in API.values() for name in names]
@@ -97,9 +99,9 @@ def test_check_step_is_public_at_the_top():
 @pytest.mark.parametrize("where, code", lesson_code(), ids=lambda v: v if " cell " in v or v.endswith(".py") else "")
 def test_lessons_import_only_the_lesson_api(where, code):
     wrong = wrong_imports(code)
-    assert not wrong, (f"{where} imports outside the lesson API (README, 'The lesson API'): {wrong}; import "
+    assert not wrong, (f"{where} imports outside the lesson API (docs/layout.md, 'The lesson API'): {wrong}; import "
                        "the name from its public module, or make it public there (its package's exports and "
-                       "README's table)")
+                       "the lesson API table)")
 
 
 def test_the_check_catches_a_private_import():
