@@ -40,7 +40,8 @@ def compare_grads(c, grads: dict, refs: tuple, figures: list, no_grad: list) -> 
     the largest absolute difference and how many elements were compared (a tied weight's copy is compared,
     not counted again)."""
     ref, probe, truth = refs
-    stages, prefix_stage_index, tied, renamed, terms = c.stages, c.prefix_stage_index, c.tied, c.renamed, c.n_microbatches
+    stages, prefix_stage_index, tied, renamed = c.stages, c.prefix_stage_index, c.tied, c.renamed
+    terms = c.n_microbatches
     worst, numel, ran = 0.0, 0, None
     for s in stages:
         for key, name, p in stage_names(s, prefix_stage_index):
