@@ -167,7 +167,18 @@ def cmd_timeline(a) -> int:
 
     if a.compare:
         return _compare(a)
-    tl = with_pipelines(load_timeline(a.paths, a.source), a.paths[0] if len(a.paths) == 1 else None)
+    from .launching.rundir import unfinished
+
+    stuck = unfinished(a.paths[0]) if len(a.paths) == 1 else ""
+    if stuck:  # where a stopped or failed run's ranks were, on stderr: stdout stays the timeline's JSON
+        print(stuck, file=sys.stderr)
+    try:
+        tl = with_pipelines(load_timeline(a.paths, a.source), a.paths[0] if len(a.paths) == 1 else None)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        if not stuck:
+            raise
+        print(f"labkit timeline: no timeline to draw ({e})", file=sys.stderr)
+        return 1
     if a.perfetto:
         from .timeline.perfetto import write_chrome_trace
 

@@ -286,7 +286,9 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
                        inference: bool = False, v_shaped: bool = False) -> None:
     """An order --schedule-csv can run: one row per rank, stage r on rank r (or, with a V-shaped
     --schedule and --stages-per-rank 2, stages r and 2P-1-r), every dependency kept
-    (labkit.schedules.orders.check_order), the run's microbatch count."""
+    (labkit.schedules.orders.check_order), the run's microbatch count, and an order that can finish: one
+    that deadlocks is refused here, before the first step, with its wait cycle (labkit.schedules.deadlock)."""
+    from ..schedules.deadlock import find_deadlock
     from ..schedules.orders import check_order, parse_action
 
     if not os.path.isfile(path):
@@ -319,6 +321,9 @@ def validate_order_csv(path: str, pp_size: int, n_microbatches: int, stages_per_
     problems = check_order(order, pp_size * spr, n_microbatches)
     if problems:
         raise ConfigError(f"--schedule-csv {path} cannot run:\n- " + "\n- ".join(problems))
+    deadlock = find_deadlock(order, pp_size * spr)
+    if deadlock is not None:  # torch's own checks pass such an order: its job would hang at its first step
+        raise ConfigError(f"--schedule-csv {path} cannot run: {deadlock.text()}")
 
 
 def validate_torch(torch_version: str) -> None:

@@ -2,7 +2,9 @@
 
 Reads what torchrun leaves (per-rank error.json from @record, the launcher's failure summary) and
 the faulthandler dumps in the rank logs. Also the one parser of Python stack frames, `parse_frames`
-(`labkit.notebook.helpers.stack_frames` shows a hung job's stacks with it, notebook 09).
+(`labkit.notebook.helpers.stack_frames` shows a hung job's stacks with it, notebook 09), and of a
+traceback's (`traceback_frames`). `rank_ends` says how each rank ended; `where_stuck` reads that
+with the ranks' PP logs into pipeline terms (`labkit.timeline.stuck`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.shown import shown
-from .rundir import TAIL_LINES, Run
+
+if TYPE_CHECKING:  # a Run's methods ask this module (Run.where_stuck): it names Run for annotations only
+    from .rundir import Run
+
+TAIL_LINES = 30  # the lines of a log an error message shows (`Run.tail`)
 
 # A frame line of a faulthandler dump: `  File "x.py", line 12 in f`.
 FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
@@ -23,9 +30,25 @@ _CONSEQUENCE = re.compile(r"Connection closed by peer|remote worker crashing|Con
                           r"NCCL communicator was aborted|SignalException|Socket Timeout", re.I)
 
 
+# A frame line of a traceback: `  File "x.py", line 12, in f`.
+TRACEBACK_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+), in (\S+)')
+TRACEBACK = "Traceback (most recent call last):"
+
+
 def parse_frames(text: str) -> list[tuple[str, int, str]]:
     """(file, line, function) of every frame line in a faulthandler dump, innermost first."""
     return [(m.group(1), int(m.group(2)), m.group(3)) for m in map(FRAME.match, text.splitlines()) if m]
+
+
+def traceback_frames(text: str) -> tuple[list[tuple[str, int, str]], str]:
+    """(frames innermost first, the error line) of the last traceback in `text` (a rank's stderr.log)."""
+    i = text.rfind(TRACEBACK)
+    if i < 0:
+        return [], ""
+    lines = text[i:].splitlines()[1:]
+    frames = [(m.group(1), int(m.group(2)), m.group(3)) for m in map(TRACEBACK_FRAME.match, lines) if m]
+    error = next((l.strip() for l in lines if l.strip() and not l.startswith((" ", "\t"))), "")
+    return frames[::-1], error
 
 
 def current_thread(dump: str) -> str:
@@ -103,6 +126,42 @@ def _library_frame(path: str) -> bool:
     """Frames a learner did not write: installed packages, the standard library, and the kit's span
     recorder (it wraps torch's pipelining calls, so it sits on every hung rank's stack)."""
     return "site-packages" in path or "/lib/python" in path or path.startswith(_SPANS_DIR)
+
+
+def _user_frame(frames: list) -> tuple | None:
+    return next((f for f in frames if not _library_frame(f[0])), None)
+
+
+def rank_ends(run: Run) -> dict:
+    """{rank: `labkit.timeline.stuck.RankEnd`}: each rank's stack (its faulthandler dump, else its
+    traceback) and how it ended, from its stderr.log and torchrun's failure summary."""
+    from ..timeline.stuck import RankEnd
+
+    codes = run.rank_exitcodes or failed_ranks_from_launcher(launcher_text(run.run_dir))
+    ends = {}
+    for rank in range(run.nproc):
+        text = run.log(rank, "stderr")
+        i = text.rfind("Fatal Python error")
+        if i >= 0:
+            frames = parse_frames(current_thread(text[i:]))
+            ends[rank] = RankEnd("stalled", frames, _user_frame(frames))
+            continue
+        frames, error = traceback_frames(text)
+        if frames:
+            ends[rank] = RankEnd("raised", frames, _user_frame(frames), error, bool(_CONSEQUENCE.search(error)),
+                                 codes.get(rank))
+        elif run.status == "interrupted":  # stopped with the job, no stack dumped
+            ends[rank] = RankEnd("stopped")
+        elif run.rank_dir(rank) is not None:  # it ran, and ended without a traceback
+            ends[rank] = RankEnd("exited", exitcode=codes.get(rank, 0 if run.status == "failed" else None))
+    return ends
+
+
+def where_stuck(run: Run):
+    """Where each rank was when the job stopped or failed, in pipeline terms (`labkit.timeline.stuck.Stuck`)."""
+    from ..timeline.stuck import where_stuck as explain
+
+    return explain(run.run_dir, rank_ends(run))
 
 
 def stack_report(run: Run) -> dict[int, str]:

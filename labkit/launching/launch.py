@@ -34,7 +34,8 @@ from .command import (
     torchrun_command,
     validate_nodes,
 )
-from .diagnose import error_message, failed_ranks_from_launcher, first_failure, stack_report
+from .diagnose import _CONSEQUENCE, error_message, failed_ranks_from_launcher, first_failure, stack_report, \
+    where_stuck
 from .stop import descendants, die_with_parent, stop_job
 from .warm import warm_command
 from .rundir import LaunchError, Run, new_run_dir
@@ -266,11 +267,14 @@ def _conclude(spec: LaunchSpec, run: Run, proc: subprocess.Popen, known: dict, s
         run.status = "ok" if proc.returncode == 0 else "failed"
     if run.status == "timeout":
         where = stack_report(run)
+        stuck, terms = _pipeline_terms(run)
         stalled = run.error is not None  # set by _follow: the stall, not the deadline, ended it
-        head = (f"{run.error}: it was stopped as hung" if stalled
+        slow = stuck is not None and not stuck.hung and any(s.doing == "compute" for s in stuck.ranks.values())
+        head = (f"{run.error}: it was stopped" + (", but no rank was waiting for another (slow, not hung)" if slow
+                                                  else " as hung") if stalled
                 else f"The job did not finish within the {spec.timeout:g} s deadline and was stopped")
         run.error = (f"{head}. Where each rank was (full stacks in stacks.txt and each rank's stderr.log):\n"
-                     + "\n".join(f"  rank {r}: {w}" for r, w in where.items())
+                     + "\n".join(f"  rank {r}: {w}" for r, w in where.items()) + terms
                      + ("\nRaise stall= (--stall) if the job just works a long time between two outputs."
                         if stalled else "\nRaise the deadline with timeout= (--timeout) if the job is just slow."))
     elif run.status == "failed":
@@ -278,6 +282,18 @@ def _conclude(spec: LaunchSpec, run: Run, proc: subprocess.Popen, known: dict, s
         run.rank_exitcodes = failed_ranks_from_launcher((run.run_dir / "launcher.log").read_text(errors="replace"))
         who = f"Rank {run.failed_rank}" if run.failed_rank is not None else "The job"
         run.error = f"{who} failed: {reason}"
+        if _CONSEQUENCE.search(reason):  # a peer went away: which one left first, and what this rank waited for
+            run.error += _pipeline_terms(run)[1]
+
+
+def _pipeline_terms(run: Run) -> tuple:
+    """(the `Stuck` reading, its text on new lines) of where the ranks were; (None, a line saying why) when
+    it cannot be read: the explanation never hides the error itself."""
+    try:
+        stuck = where_stuck(run)
+    except Exception as e:  # noqa: BLE001 - the launch error must still be raised
+        return None, f"\n(labkit could not say where the ranks were in pipeline terms: {type(e).__name__}: {e})"
+    return stuck, ("\n" + stuck.text()) if stuck.pipelined else ""
 
 
 class _ExitWaiter:

@@ -18,9 +18,9 @@ from datetime import datetime
 from pathlib import Path
 
 from ..core.errors import ConfigError
+from .diagnose import TAIL_LINES
 
 DEFAULT_RUNS_ROOT = "runs"
-TAIL_LINES = 30
 
 
 class LaunchError(RuntimeError):
@@ -93,6 +93,36 @@ class Run:
 
         return explain_idle_by_pipeline(self.run_dir, which)
 
+    def where_stuck(self):
+        """Where each rank was when the job was stopped (stall, deadline) or failed, in pipeline terms: per
+        rank its step, the action it is in (or "outside the schedule" with its frame), the microbatch and
+        the peer it waits on, then the cause (`labkit.timeline.stuck.Stuck`; print it, or `.text()`).
+        Read from the run directory's PP logs, stack dumps and spans; notebook 09."""
+        from .diagnose import where_stuck
+
+        return where_stuck(self)
+
+    @classmethod
+    def read(cls, run_dir) -> "Run":
+        """The `Run` a launch left in `run_dir` (its run.json), e.g. to ask an old run `where_stuck()`."""
+        d = Path(run_dir)
+        p = d / "run.json"
+        if not p.is_file():
+            raise ConfigError(f"{d} has no run.json: pass a run directory a labkit launch made (runs/<name>).")
+        data = json.loads(p.read_text())
+        run = cls(run_dir=d, command=data.get("command", []), nproc=int(data.get("nproc", 1)),
+                  status=data.get("status", "running"), returncode=data.get("returncode"),
+                  wall_time_s=data.get("wall_time_s", 0.0), failed_rank=data.get("failed_rank"),
+                  error=data.get("error"),
+                  rank_exitcodes={int(k): v for k, v in (data.get("rank_exitcodes") or {}).items()})
+        rp = d / "result.json"
+        if rp.is_file():
+            try:
+                run.result = json.loads(rp.read_text())
+            except ValueError:
+                pass
+        return run
+
     def summary(self) -> dict:
         """Deterministic facts about the run (no times, paths or pids): safe to print in a tested notebook."""
         r = self.result or {}
@@ -121,6 +151,23 @@ class Run:
     def __repr__(self) -> str:
         return (f"Run(status={self.status!r}, returncode={self.returncode}, wall_time_s={self.wall_time_s:.1f}, "
                 f"run_dir='{self.run_dir}')")
+
+
+def unfinished(run_dir) -> str:
+    """For a run directory whose job was stopped or failed (its run.json says so): where each rank was,
+    in pipeline terms, under a line naming the status (what `labkit timeline RUN_DIR` prints); "" otherwise."""
+    if not (Path(run_dir) / "run.json").is_file():
+        return ""
+    run = Run.read(run_dir)
+    if run.status in ("ok", "running"):
+        return ""
+    head = f"labkit timeline: this run did not finish (status {run.status}"
+    head += f"; {run.error.splitlines()[0].split('. Where each rank was')[0]})" if run.error else ")"
+    try:
+        stuck = run.where_stuck()
+        return f"{head}\n{stuck.text()}" if stuck.pipelined else f"{head}: it never ran a pipeline schedule"
+    except Exception as e:  # noqa: BLE001 - the timeline is still read
+        return f"{head}\n(where the ranks were could not be read: {type(e).__name__}: {e})"
 
 
 def new_run_dir(out: str | os.PathLike | None = None, name: str = "run",

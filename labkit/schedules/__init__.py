@@ -1,5 +1,6 @@
-"""Schedules as data: the table of torch's schedules and their shape rules (`table`), and orders of
-actions (`orders`: torch's `0F1` grammar, checks, in-flight counts, CSV).
+"""Schedules as data: the table of torch's schedules and their shape rules (`table`), orders of
+actions (`orders`: torch's `0F1` grammar, checks, in-flight counts, CSV), and whether an order can
+finish, from the plan alone (`deadlock`: its wait cycle when it cannot).
 
 May import: labkit.core, labkit.logs (the action grammar of torch's log lines)."""
 

@@ -9,6 +9,7 @@ notebooks 03 and 06 (`simulate`) and 08 (write your own schedule, `simulate_orde
 
 from __future__ import annotations
 
+from ..schedules.deadlock import needs, wait_cycle
 from ..schedules.orders import PlannedAction, ScheduleError, check_order, describe, normalize_order
 from ..core.actions import Action, Timeline
 from .cost import Cost, StageCosts
@@ -20,24 +21,15 @@ class ScheduleDeadlock(ScheduleError):
 
     `stuck` maps each stuck rank to `(position, action, missing)`: the index of its next action in
     its list, that action as `(kind, stage, microbatch)`, and the actions it still waits for.
+    `deadlock` is the same replay read as a wait cycle (`labkit.schedules.deadlock.Deadlock`: `.cycle`,
+    `.text()`), what the kit says when it refuses such an order before running it.
     """
 
-    def __init__(self, message: str, stuck: dict[int, tuple[int, PlannedAction, list[PlannedAction]]]):
+    def __init__(self, message: str, stuck: dict[int, tuple[int, PlannedAction, list[PlannedAction]]],
+                 deadlock=None):
         super().__init__(message)
         self.stuck = stuck
-
-
-def _dependencies(a: PlannedAction, n_stages: int) -> list[tuple[PlannedAction, ...]]:
-    """Groups of alternatives: every group must be done, any member of a group satisfies it."""
-    kind, stage, mb = a
-    if kind == "F":
-        return [(("F", stage - 1, mb),)] if stage > 0 else []
-    if kind in ("B", "I"):
-        deps = [(("F", stage, mb),)]  # the stage's own saved activations
-        if stage < n_stages - 1:  # the gradient of the stage's output, from the next stage
-            deps.append((("B", stage + 1, mb), ("I", stage + 1, mb)))
-        return deps
-    return [(("I", stage, mb),)]  # W
+        self.deadlock = deadlock
 
 
 def simulate_order(order, n_stages: int | None = None, n_microbatches: int | None = None,
@@ -69,7 +61,7 @@ def simulate_order(order, n_stages: int | None = None, n_microbatches: int | Non
 
     def ready_time(a: PlannedAction, rank: int) -> float | None:
         t = 0.0
-        for group in _dependencies(a, n_stages):
+        for group in needs(a, n_stages):
             ends = [done[d] + (cost.p2p if stage_rank[d[1]] != rank else 0.0) for d in group if d in done]
             if not ends:
                 return None
@@ -112,7 +104,7 @@ def _deadlock(norm, stuck: dict[int, int], done, position, n_stages: int) -> Sch
     lines = []
     for r, i in stuck.items():
         a = norm[r][i]
-        missing = [g for g in _dependencies(a, n_stages) if not any(d in done for d in g)]
+        missing = [g for g in needs(a, n_stages) if not any(d in done for d in g)]
         details[r] = (i, a, [d for g in missing for d in g])
         waits = []
         for group in missing:
@@ -132,7 +124,7 @@ def _deadlock(norm, stuck: dict[int, int], done, position, n_stages: int) -> Sch
     return ScheduleDeadlock(
         "Schedule deadlock: no rank can make progress.\n" + "\n".join(lines)
         + "\nReorder the actions so that every input is produced before a rank blocks on it.",
-        details,
+        details, wait_cycle(norm, stuck, set(done), n_stages),
     )
 
 

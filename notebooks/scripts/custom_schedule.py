@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit import check_step
 from labkit.worker import distributed as worker
-from labkit.theory import check_order, parse_action
+from labkit.theory import ScheduleDeadlock, check_order, parse_action, simulate_order
 from labkit.models import TimedBlock, mse
 
 
@@ -55,7 +55,8 @@ def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]
     """(rows, stage -> rank, n_microbatches) of a compute-only CSV; ValueError says what is wrong.
 
     Actions are read, and the order checked, by the kit's own rules (`labkit.schedules.orders`): the same
-    `parse_action` and `check_order` as the notebook's `simulate_order`.
+    `parse_action` and `check_order` as the notebook's `simulate_order`; an order that deadlocks is refused
+    with its wait cycle (`ScheduleDeadlock.deadlock`, `labkit.schedules.deadlock`) before any rank blocks on it.
     """
     with open(path, newline="") as f:
         rows = {r: [c.strip() for c in row if c.strip()] for r, row in enumerate(csv.reader(f))}
@@ -73,6 +74,10 @@ def read_order(path: str | os.PathLike, world: int) -> tuple[dict[int, list[str]
     problems = check_order(order, n_stages, n_microbatches)
     if problems:
         raise ValueError("this order cannot run (communication is added by torch):\n- " + "\n- ".join(problems))
+    try:  # torch's checks pass a deadlocking order: every rank would wait at its first step until the timeout
+        simulate_order(order, n_stages, n_microbatches)
+    except ScheduleDeadlock as e:
+        raise ValueError(e.deadlock.text()) from None
     stage_rank = {s: r for r, acts in order.items() for _, s, _ in acts}
     return rows, stage_rank, n_microbatches
 

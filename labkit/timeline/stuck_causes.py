@@ -1,0 +1,188 @@
+"""Why a run's ranks stopped where they did (`causes`), from where each one was (`labkit.timeline.stuck`'s
+`RankState`s): a rank outside the schedule that another waits for, ranks in different steps,
+schedules that differ across ranks (class, microbatch count, stages), a wait cycle, a peer that left
+first, or no wait at all (slow work is not a hang). Each cause is a sentence that says what to change;
+what the kit could not tell is said too. Taught in notebook 09.
+
+May import: labkit.core, labkit.timeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .logged_steps import RankLog
+    from .stuck import RankState
+
+__all__ = ["causes"]
+
+
+def causes(states: dict[int, "RankState"], logs: dict[int, "RankLog"]) -> tuple[list[str], list[str]]:
+    """(causes, what could not be told), each a list of sentences."""
+    found = (_outside(states) + _left_first(states) + _different_steps(states) + _schedules_differ(states, logs)
+             + _cycle(states))
+    if not found:
+        found = _not_waiting(states)
+    return found, _unknown(states, logs)
+
+
+def _waited_on(s: "RankState", states: dict) -> set[int]:
+    """The ranks `s` waits for: its transfers' peers; in the first step's set-up, every other rank."""
+    if s.doing == "setup":
+        return set(states) - {s.rank}
+    if s.doing == "wait":
+        return {t.peer_rank for t in s.waits if t.peer_rank is not None}
+    return set()
+
+
+def _outside(states: dict) -> list[str]:
+    out = []
+    for r, s in sorted(states.items()):
+        if s.doing != "outside":
+            continue
+        waiters = [w for w in states.values() if r in _waited_on(w, states)]
+        if not waiters:
+            continue
+        w = waiters[0]
+        done = ("never reached schedule.step" if s.step == 0 else
+                f"left schedule.step after step {s.step}" if s.step else "is not in schedule.step")
+        out.append(f"rank {r} is outside the schedule while rank {w.rank} waits for it in step {w.step}: rank {r} "
+                   f"{done} and is in {s.frame()}. Every rank of a pipeline calls schedule.step, the same number "
+                   f"of times: find why rank {r} does not (a data loader, an evaluation, a condition on the rank).")
+    return out
+
+
+def _different_steps(states: dict) -> list[str]:
+    inside = {r: s.step for r, s in states.items() if s.in_schedule and s.step is not None}
+    if len(set(inside.values())) < 2:
+        return []
+    where = ", ".join(f"rank {r} in step {k}" for r, k in sorted(inside.items()))
+    return [f"the ranks are in different steps ({where}): one of them called schedule.step more often than "
+            "the other; call it once per batch on every rank."]
+
+
+def _schedules_differ(states: dict, logs: dict) -> list[str]:
+    out = []
+    classes = {r: s.schedule for r, s in states.items() if s.schedule}
+    if len(set(classes.values())) > 1:
+        built = ", ".join(f"rank {r} built {c}" for r, c in sorted(classes.items()))
+        out.append(f"the ranks' schedules differ: {built}. Build the same schedule class on every rank.")
+    counts = {r: s.microbatches for r, s in states.items() if s.microbatches}
+    if len(set(counts.values())) > 1:
+        runs = ", ".join(f"rank {r} runs {m}" for r, m in sorted(counts.items()))
+        out.append(f"the ranks' schedules differ: {runs} microbatches per step. Pass the same n_microbatches "
+                   "on every rank.")
+    else:
+        out += _beyond_peer(states)
+    return out + _stages_differ(logs)
+
+
+def _beyond_peer(states: dict) -> list[str]:
+    """A rank waits for a microbatch its peer's schedule does not have."""
+    out = []
+    for w in states.values():
+        for t in w.waits:
+            peer = states.get(t.peer_rank)
+            if peer is None or t.mb is None or not peer.microbatches or t.mb < peer.microbatches:
+                continue
+            verb = "waited" if w.how == "raised" else "waits"
+            out.append(f"the ranks' schedules differ: rank {w.rank} {verb} for microbatch {t.mb}'s {t.what} from "
+                       f"rank {peer.rank}, whose schedule runs {peer.microbatches} microbatches per step "
+                       f"(0-{peer.microbatches - 1}). Pass the same n_microbatches on every rank.")
+            return out
+    return out
+
+
+def _stages_differ(logs: dict) -> list[str]:
+    out = []
+    holders: dict[int, list[int]] = {}
+    for r, log in sorted(logs.items()):
+        for s in log.stages:
+            holders.setdefault(s, []).append(r)
+    for s, ranks in sorted(holders.items()):
+        if len(ranks) > 1:
+            out.append(f"the ranks' placements differ: ranks {', '.join(map(str, ranks))} all hold stage {s}. "
+                       "Give each rank its own stage_index (PipelineStage(..., stage_index, num_stages, ...)).")
+    if logs and all(log.events for log in logs.values()):
+        for r, log in sorted(logs.items()):
+            for src, dst in sorted(log.sends_to.items()):
+                if dst not in holders:
+                    out.append(f"rank {r}'s stage {src} sends to stage {dst}, which no rank holds: the ranks "
+                               "disagree on the number of stages (PipelineStage's num_stages).")
+    return out
+
+
+def _cycle(states: dict) -> list[str]:
+    """A cycle of ranks each waiting for the next (ranks still running: their stacks were dumped)."""
+    edges = {r: sorted(_waited_on(s, states) & set(states)) for r, s in states.items()
+             if s.how == "stalled" and s.doing in ("wait", "setup")}
+    for start in sorted(edges):
+        path, seen = [start], {start}
+        r = start
+        while edges.get(r):
+            r = edges[r][0]
+            if r in seen:
+                loop = path[path.index(r):] + [r]
+                if len(loop) < 3 and states[loop[0]].doing == "setup":
+                    break
+                hops = ", ".join(f"rank {a} waits for rank {b}" for a, b in zip(loop, loop[1:]))
+                return [f"a wait cycle: {hops}: none of them can go on. Their orders deadlock: check an order "
+                        "before running it (labkit.schedules.deadlock.find_deadlock)."]
+            path.append(r)
+            seen.add(r)
+    return []
+
+
+def _gone(s: "RankState") -> bool:
+    return s.how == "exited" or (s.how == "raised" and not s.echo)
+
+
+def _left_first(states: dict) -> list[str]:
+    """A rank that failed (or waits) because a peer went away: which one left first, and what it waited for."""
+    gone = [s for s in states.values() if _gone(s)]
+    out = []
+    for v in sorted(states.values(), key=lambda s: s.rank):
+        if not ((v.how == "raised" and v.echo) or (v.how == "stalled" and v.doing == "wait")):
+            continue
+        peers = {t.peer_rank for t in v.waits}
+        left = [g for g in gone if g.rank in peers] or ([] if v.how == "stalled" else gone)
+        if not left:
+            continue
+        first = min(left, key=lambda s: (s.last_time is None, s.last_time or 0.0, s.rank))
+        waited = " and ".join(t.words() for t in sorted(v.waits, key=lambda t: t.op != "recv")
+                              if t.peer_rank == first.rank) or "for it"
+        ended = (f"failed first with {first.error}" if first.how == "raised" else
+                 "ended" + (f" (exit code {first.exitcode})" if first.exitcode is not None else ""))
+        after = (f" in its step {first.step}" if first.in_schedule else f" after its step {first.step}") \
+            if first.step else ""
+        per = f" ({first.microbatches} microbatches per step)" if first.microbatches else ""
+        verb = "waited" if v.how == "raised" else "waits"
+        out.append(f"rank {first.rank} left first: it {ended}{after}{per}, while rank {v.rank} {verb} in step "
+                   f"{v.step} {waited}. Rank {v.rank}'s error only echoes that: look at rank {first.rank}.")
+    return out
+
+
+def _not_waiting(states: dict) -> list[str]:
+    busy = [s for s in states.values() if s.doing == "compute"]
+    if not busy or any(s.doing in ("wait", "setup") for s in states.values()):
+        return []
+    who = ", ".join(f"rank {s.rank} computes {s.action_words() or 'an action'}" for s in busy)
+    return [f"no rank was waiting for another ({who}): a long step is not a hang. If the job is just slow, "
+            "raise stall= (--stall) or timeout= (--timeout)."]
+
+
+def _unknown(states: dict, logs: dict) -> list[str]:
+    out = []
+    for r, s in sorted(states.items()):
+        log = logs.get(r)
+        if (log is None or not log.events) and s.doing not in ("exited", "unknown"):
+            step = "its steps come from its spans" if s.steps_from == "spans" else "its step is unknown"
+            out.append(f"rank {r} wrote no pipelining log line (TORCH_LOGS=+pp off, or it built no schedule): "
+                       f"{step}, and so are the action and microbatch it is in.")
+        elif s.doing == "wait" and not s.waits:
+            out.append(f"rank {r} waits for a transfer its log does not name (a wait before its step's first "
+                       "batch_p2p line).")
+        if s.how == "unknown" and s.doing == "unknown":
+            out.append(f"rank {r} left no stack dump and no traceback: it had ended before the job was stopped.")
+    return out
