@@ -17,10 +17,13 @@ from .noise import canonical
 
 
 def read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict, diffs: dict):
-    """The backward of one stage whose parameters are the chain's own copies: each parameter's gradient
-    read against R's (max |g - r| into `diffs`) by a hook as soon as it is accumulated, then freed, so that
-    no more than one is held at a time; returns the gradient of the stage's input (None on the first)."""
-    hooks = []
+    """The backward of one stage: each parameter's gradient read against R's (max |g - r| into `diffs`) by a
+    hook as soon as it is accumulated, then freed, so that no more than one is held at a time (a gradient a
+    parameter held before is put back after); returns the gradient of the stage's input (None on the
+    first)."""
+    hooks, kept = [], [(p, p.grad) for _, p in params]
+    for p, _ in kept:
+        p.grad = None
     for n, p in params:
         key = (k, canonical(n))
 
@@ -37,6 +40,8 @@ def read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict,
     finally:
         for h in hooks:
             h.remove()
+        for p, g in kept:
+            p.grad = g
     return leaves[0].grad if leaves else None
 
 
@@ -57,27 +62,68 @@ def copy64(module: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def checkpointed(modules):
-    """Each block of `modules` runs under torch.utils.checkpoint while inside: a whole-batch reference then
-    keeps each block's input, not its inner activations, and recomputes the block in the backward (the
-    same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's repeated
-    layers, found from the top."""
+def checkpointed(modules: dict, upcast: bool = False, seen: set | None = None):
+    """Each block of `modules` ({stage: module}) runs under torch.utils.checkpoint while inside: a whole-batch
+    reference then keeps each block's input, not its inner activations, and recomputes the block in the
+    backward (the same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's
+    layers and their parts, found from the top.
+
+    `upcast`: the modules compute in float64 without a float64 copy of them: each module's own parameters
+    and floating buffers are cast when it runs (hooks; again when its block is recomputed) and put back
+    after, so only the running block's casts are alive; a module that does not run through its own call
+    (a parent reads its weight) has its tensors cast for the whole forward. `seen`: {(stage, module
+    name)} that ran, filled by a run without `upcast` (R), read by one with it (T); None: every module is
+    taken to run. Gradients reach the modules' own parameters through the casts, rounded once to their
+    dtype. Whatever happens inside, every module's own tensors are its own again on exit."""
     from torch.utils.checkpoint import checkpoint
 
-    wrapped = []
-    for module in modules:
+    wrapped, handles, orig = [], [], {}
+    for k, module in modules.items():
         for block in blocks_of(module):
             had = block.__dict__.get("forward")
-            block.forward = lambda *a, _f=block.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+            block.forward = lambda *a, _f=block.forward, **kw: checkpoint(_f, *a, use_reentrant=False, **kw)
             wrapped.append((block, had))
+        named = list(module.named_modules())
+        if upcast:
+            orig.update({(id(m), w, n): (m, getattr(m, w)[n]) for _, m in named for w, n in _own(m)})
+            late = [(m, w, n) for name, m in named if seen is not None and (k, name) not in seen
+                    for w, n in _own(m)]
+            for name, m in named:
+                mine = [(m, w, n) for w, n in _own(m)]
+                if mine and (seen is None or (k, name) in seen):
+                    handles += [m.register_forward_pre_hook(lambda mod, a, mine=mine: _swap(mine, orig, True)),
+                                m.register_forward_hook(lambda mod, a, o, mine=mine: _swap(mine, orig, False))]
+            if late:
+                handles += [module.register_forward_pre_hook(lambda mod, a, late=late: _swap(late, orig, True)),
+                            module.register_forward_hook(lambda mod, a, o, late=late: _swap(late, orig, False))]
+        elif seen is not None:
+            handles += [m.register_forward_hook(lambda mod, a, o, key=(k, n): seen.add(key)) for n, m in named]
     try:
         yield
     finally:
+        for h in handles:
+            h.remove()
+        for (_, w, n), (m, t) in orig.items():
+            getattr(m, w)[n] = t
         for block, had in reversed(wrapped):
             if had is None:
                 del block.__dict__["forward"]
             else:
                 block.forward = had
+
+
+def _own(m: nn.Module) -> list[tuple[str, str]]:
+    """("_parameters" or "_buffers", name) of the floating tensors a module holds itself (not its children's)."""
+    return [(w, n) for w in ("_parameters", "_buffers") for n, t in getattr(m, w).items()
+            if t is not None and t.is_floating_point()]
+
+
+def _swap(items: list, orig: dict, cast: bool) -> None:
+    """Each (module, "_parameters"/"_buffers", name) of `items` set to its own tensor's float64 cast (a
+    differentiable op), or back to its own tensor."""
+    for m, w, n in items:
+        t = orig[id(m), w, n][1]
+        getattr(m, w)[n] = t.double() if cast else t
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:

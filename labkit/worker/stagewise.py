@@ -81,6 +81,9 @@ class _Run:
     chunk_dim: int
     group: object
     holders: dict = field(default_factory=dict)
+    seen: set = field(default_factory=set)
+    """{(stage, module name of its slice)} that ran in R: the float64 chain casts each of them as it runs
+    (labkit.worker.lean.checkpointed)."""
     compiled: dict | None = None
     """None: no stage of the pipeline is compiled; else {(stage, name): what compiling changed in this
     rank's compiled stages' gradients ("" : the loss)}, labkit.worker.compiled_floor."""
@@ -188,14 +191,14 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
-    dtype = torch.float64 if mode == "T" else None
-    mods = {k: copy_to(sl, dev, dtype) if (mode == "T" or host) else sl for k, sl in run.slices.items()}
+    # T computes in float64 without a float64 copy of the slices (lean.checkpointed(upcast=True))
+    mods = {k: copy_to(sl, dev) if host else sl for k, sl in run.slices.items()}
     move = lambda v: (up64(v) if mode == "T" else v).to(dev) if torch.is_tensor(v) else v  # noqa: E731
     x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
     ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
     if mode != "C":
         read = against.grads if mode == "T" and against is not None else None
-        with checkpointed(mods.values()):
+        with checkpointed(mods, upcast=mode == "T", seen=run.seen):
             grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
                                                                                        y.chunk(m, dim=d))],
                           ctx, dev, out, cuts=mode == "T", y=y, read=read, mode_r=mode == "R")
