@@ -21,7 +21,7 @@ pair, because these machines are noisy: never compare absolute times across runs
 5. the notebook suite under nbval (wall time) [live];
 6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control) [capture];
 7. the check's cost: check_step and check_stages beside the step they check, time and peak memory per rank
-   [check_cost];
+   [check_cost]; at scale, a 1B-parameter Llama over 4 CPU ranks, on its own (`--only scale`) [check_scale];
 8. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules)
    [tutorial];
 9. ranks started warm (labkit.launching.warm): a fresh 2- and 4-rank job's CPU and wall time by start method
@@ -50,6 +50,7 @@ from benches import common  # noqa: E402, F401 (after the path above)
 from benches.capture import (_on_off_pairs, capture_overhead, capture_within_jobs,  # noqa: E402, F401
                              spans_within_jobs)
 from benches.check_cost import CHECK_HEADING, _check_cost_rows, check_cost  # noqa: E402, F401
+from benches.check_scale import SCALE_HEADING, _check_scale_rows, check_scale  # noqa: E402, F401
 from benches.common import (BENCH_DIR, REPO_ROOT, _reference_launch, _rounds, _torch,  # noqa: E402, F401
                             _tree_run, _wall_and_cpu, machine)
 from benches.fidelity import _fixture_lines, fidelity, instrument_fidelity, parser_throughput  # noqa: E402, F401
@@ -80,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(BENCH_DIR))
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
-                                                      "instruments", "paper", "launch", "startup", "check", "warm"],
+                                                      "instruments", "paper", "launch", "startup", "check", "warm",
+                                                      "scale"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     return ap.parse_args(argv)
 
@@ -217,6 +219,9 @@ def update_only(out: Path, only: str, pairs: int) -> dict:
     if only == "check":
         cc, load = _under_load(check_cost)
         res["check_cost"] = {**cc, "date": stamp, "torch": _torch(), "load": load}
+    if only == "scale":  # never in a full run: about 18 GB of memory over 4 ranks, minutes of CPU
+        cs, load = _under_load(check_scale)
+        res["check_scale"] = {**cs, "date": stamp, "torch": _torch(), "load": load}
     if only == "warm":
         ws, load = _under_load(warm_start)
         res["warm_start"] = {**ws, "date": stamp, "torch": _torch(), "load": load}

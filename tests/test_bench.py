@@ -263,3 +263,17 @@ def test_warm_start_measures_a_fresh_job_and_a_pools_start():
     r = out["jobs"]["2"]["forkserver"]
     assert r["cpu"]["a_median_s"] > 0 and r["cpu"]["b_median_s"] > 0 and r["wall"]["b_median_s"] > 0
     assert out["pools"]["2"]["methods"] == ["fork", "spawn"] and out["pools"]["2"]["wall"]["a_median_s"] > 0
+
+
+def test_the_check_at_scale_rows_read_each_rank_against_its_step():
+    """RESULTS.md's section of the 1B-parameter check: a row per rank, the ratio to the step, check_step's refusal."""
+    rank = {"whole_params": 1_000_000_000, "stage_params": 250_000_000, "ok": True, "compared": 1000, "expected": 1000,
+            "step": _phase(10.0, 1000), "check_stages": _phase(60.0, 2000),
+            "check_step_refused": "check_step needs at least 26.00 GiB on each rank for this model: check this step"}
+    cs = {**bench.check_scale.__defaults__[0], "ranks": {str(r): rank for r in range(4)}, "date": "d", "torch": "t"}
+    text = "\n".join(bench._check_scale_rows(cs))
+    assert f"## {bench.SCALE_HEADING}" in text and "1.00B parameters" in text
+    assert "| 0 | 250M | 10.0 s, 1000 MB | 60.0 s, 2000 MB (2.0x) | True |" in text
+    assert "the check passed with every parameter compared; its peak was 2.0-2.0x" in text
+    assert "refuses before it starts: \"check_step needs at least 26.00 GiB" in text
+    assert bench._check_scale_rows(None) == []

@@ -16,11 +16,11 @@ import torch.nn as nn
 from .noise import canonical
 
 
-def read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict, diffs: dict):
-    """The backward of one stage: each parameter's gradient read against R's (max |g - r| into `diffs`) by a
-    hook as soon as it is accumulated, then freed, so that no more than one is held at a time (a gradient a
-    parameter held before is put back after); returns the gradient of the stage's input (None on the
-    first)."""
+def read_as_made(k: int, root, grad_out, leaves: list, params: list, on_grad):
+    """The backward of one stage: each parameter's gradient handed to `on_grad((stage, name), gradient)` by a
+    hook as soon as it is accumulated, then dropped by the parameter, so that the backward itself holds no
+    more than one at a time (a gradient a parameter held before is put back after); returns the gradient of
+    the stage's input (None on the first)."""
     hooks, kept = [], [(p, p.grad) for _, p in params]
     for p, _ in kept:
         p.grad = None
@@ -28,10 +28,8 @@ def read_as_made(k: int, root, grad_out, leaves: list, params: list, read: dict,
         key = (k, canonical(n))
 
         def hook(param, key=key):
-            r = read.get(key)
-            if r is not None and param.grad is not None:
-                g = param.grad
-                diffs[key] = float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
+            if param.grad is not None:
+                on_grad(key, param.grad)
             param.grad = None
         hooks.append(p.register_post_accumulate_grad_hook(hook))
     try:

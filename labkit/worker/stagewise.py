@@ -197,37 +197,41 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
     ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
     if mode != "C":
-        read = against.grads if mode == "T" and against is not None else None
+        on_grad = (lambda key, g: out.diffs.__setitem__(key, _diff(g, against.grads.get(key)))) \
+            if mode == "T" and against is not None else None
         with checkpointed(mods, upcast=mode == "T", seen=run.seen):
-            grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
-                                                                                       y.chunk(m, dim=d))],
-                          ctx, dev, out, cuts=mode == "T", y=y, read=read, mode_r=mode == "R")
-    else:
-        size = x.shape[d] if torch.is_tensor(x) and x.dim() > d else 0
-        grads, xs, ys = {}, x.chunk(m, dim=d), y.chunk(m, dim=d)
-        for i, kwi in enumerate(chunk_kwargs(kw, size, m, d)):
-            part = _Chain()
-            got = _pass(run, mods, xs[i], kwi, lambda o, i=i: [run.loss_fn(o, ys[i])], ctx, dev, part, mean=False)
-            out.losses += part.losses
-            for key, g in got.items():
-                grads[key] = grads[key].add_(g) if key in grads else g
-        grads = {key: g / m for key, g in grads.items()}
-    if against is None:
-        out.grads = grads
-    else:
-        for key, g in grads.items():
-            r = against.grads.get(key)
-            if r is not None:
-                out.diffs[key] = float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
+            out.grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
+                                                                                           y.chunk(m, dim=d))],
+                              ctx, dev, out, cuts=mode == "T", y=y, on_grad=on_grad, mode_r=mode == "R")
+        return out
+    size = x.shape[d] if torch.is_tensor(x) and x.dim() > d else 0
+    acc, xs, ys = {}, x.chunk(m, dim=d), y.chunk(m, dim=d)
+
+    def add(key, g):  # each microbatch's gradient summed as the backward makes it (one buffer a parameter)
+        acc[key] = acc[key].add_(g) if key in acc else g
+
+    for i, kwi in enumerate(chunk_kwargs(kw, size, m, d)):
+        part = _Chain()
+        _pass(run, mods, xs[i], kwi, lambda o, i=i: [run.loss_fn(o, ys[i])], ctx, dev, part, mean=False, on_grad=add)
+        out.losses += part.losses
+    for key in list(acc):  # over the microbatch count, as the schedules' scale_grads; read against R's, freed
+        out.diffs[key] = _diff(acc.pop(key).div_(m), against.grads.get(key) if against else None)
     return out
 
 
+def _diff(g, r) -> float:
+    """max |g - r| in float64 (0.0 for an empty tensor; nan where R has no gradient: not compared)."""
+    if r is None:
+        return float("nan")
+    return float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
+
+
 def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, cuts: bool = False, y=None,
-          mean: bool = True, read: dict | None = None, mode_r: bool = False) -> dict:
+          mean: bool = True, on_grad=None, mode_r: bool = False) -> dict:
     """One forward and backward of this rank's slices along the chain on one input (the whole batch or a
     microbatch): the losses into `out` (last stage), T's cuts when `cuts`; returns {(stage, name): grad}.
-    `read` (R's gradients; `mods` are the chain's own copies): each parameter's gradient is read against
-    R's into `out.diffs` the moment the backward has it, then dropped (`_read_as_made`): none is kept."""
+    `on_grad(key, gradient)`: each parameter's gradient handed over the moment the backward has it, then
+    dropped (`lean.read_as_made`): none is kept here, {} is returned."""
     me, graph, grads = dist.get_rank(run.group), {}, {}
     for k in range(run.n_stages):
         if run.holders[k] != me:
@@ -253,8 +257,8 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             root = o
         params = [(n, p) for n, p in mods[k].named_parameters() if p.requires_grad]
         leaves = [a] if k > 0 and a.requires_grad else []
-        if read is not None:
-            a_grad = read_as_made(k, root, grad_out, leaves, params, read, out.diffs)
+        if on_grad is not None:
+            a_grad = read_as_made(k, root, grad_out, leaves, params, on_grad)
         else:
             got = torch.autograd.grad([root], leaves + [p for _, p in params],
                                       None if grad_out is None else [grad_out], allow_unused=True)

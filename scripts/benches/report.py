@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from .check_cost import _check_cost_rows
+from .check_scale import _check_scale_rows
 from .live import NOTEBOOKS_BEFORE_LIVE_RANKS_S
 from .paper import _paper_rows
 from .warm import _warm_rows, _warm_section
@@ -98,6 +99,7 @@ def markdown(res: dict) -> str:
     lines += _instrument_rows(res.get("instrument_fidelity"))
     lines += _paper_rows(res.get("paper_comparison"))
     lines += _check_cost_rows(res.get("check_cost"))
+    lines += _check_scale_rows(res.get("check_scale"))
     lines += _warm_section(res.get("warm_start"))
     return "\n".join(lines) + "\n"
 
