@@ -160,6 +160,23 @@ def test_memory_verdict_on_cuda_holds_the_tracker_under_the_allocator():
     assert verdict == "fail" and "expected 3.00 MiB" in why and "8 bytes still held" in why
 
 
+def test_check_stages_on_a_gpu_may_add_at_most_half_the_steps_peak_to_the_device():
+    """Part 4's check_stages verdict (issue 56): pass, and on a GPU the device memory it adds against the
+    step's own peak (its float64 and microbatched references on the host); read, not run, here: no GPU."""
+    from gpu_checks.live import stages_problems, stages_text
+
+    mib = 2 ** 20
+    fine = {"stages_ok": True, "stages_worst": 0.4, "step_peak_bytes": 8 * mib, "check_stages_added_bytes": 3 * mib}
+    assert stages_problems(fine) == [] and "adding 3.00 MiB to the device against the step's own peak of 8.00 MiB " \
+        "(0.38x)" in stages_text(fine)
+    heavy = {**fine, "check_stages_added_bytes": 5 * mib}
+    assert stages_problems(heavy) == ["check_stages added 5.00 MiB to the device, more than half the step's own "
+                                      "peak (8.00 MiB)"]
+    cpu = {**fine, "step_peak_bytes": None, "check_stages_added_bytes": None}
+    assert stages_problems(cpu) == [] and "device" not in stages_text(cpu)
+    assert "check_stages failed the correct step" in stages_problems({**cpu, "stages_ok": False})[0]
+
+
 def test_the_gpu_plan_has_every_multi_stage_schedule_twice_and_one_profiled_run(tmp_path):
     m = gpu_check_module()
     items = m.suite_items(m.Check(tmp_path, "cuda", 450.0))

@@ -265,7 +265,9 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             a_grad = got[0] if leaves else None
             # keyed by (stage, name): two stages of one rank may name their parameters alike (each built from
             # one block class: 'lin.weight' on stage 0 and on stage 4), and must never share a gradient
-            grads.update({(k, canonical(n)): g.detach() for (n, _), g in zip(params, got[len(leaves):])
+            # R on a GPU keeps its gradients on the host: the device holds only its graph while it runs
+            keep = (lambda g: g.detach().cpu()) if mode_r and dev.type == "cuda" else (lambda g: g.detach())
+            grads.update({(k, canonical(n)): keep(g) for (n, _), g in zip(params, got[len(leaves):])
                           if g is not None})
         graph[k] = (a, None, a_grad)
         if run.compiled is not None and mode_r:

@@ -19,9 +19,24 @@ x, y = torch.randn(8, 32, device=device), torch.randn(8, 32, device=device)
 stages = [PipelineStage(full[2 * s:2 * s + 2], s, 2, device) for s in range(2)]  # both stages on this rank
 sched = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
 losses = []
+cuda = device.type == "cuda"
+if cuda:  # the step's own peak on the device, above what the rank held before it
+    torch.cuda.synchronize(device); base = torch.cuda.memory_allocated(device); torch.cuda.reset_peak_memory_stats(device)
 sched.step(x, target=y, losses=losses)
+step_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
 check = check_step(full, stages, x, y, losses, 4, nn.functional.mse_loss, device=device)
-{"ok": check.ok, "max_abs_diff": check.max_abs_diff, "backend": dist.get_backend(), "device": str(device),
+# check_stages on the same step: its slices (copies of the unsplit model's parts, not the stages), its float64
+# and microbatched references on the host; what it adds to the device above what the rank held before it
+from labkit.worker import check_stages
+import copy as _copy
+slices = {s: _copy.deepcopy(full[2 * s:2 * s + 2]) for s in range(2)}
+if cuda:
+    torch.cuda.synchronize(device); base = torch.cuda.memory_allocated(device); torch.cuda.reset_peak_memory_stats(device)
+staged = check_stages(slices, stages, x, y, losses, 4, nn.functional.mse_loss)
+check_added = torch.cuda.max_memory_allocated(device) - base if cuda else None
+{"ok": check.ok, "max_abs_diff": check.max_abs_diff, "stages_ok": staged.ok, "stages_worst": staged.worst_ratio,
+ "step_peak_bytes": step_peak, "check_stages_added_bytes": check_added,
+ "backend": dist.get_backend(), "device": str(device),
  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
  "torch": torch.__version__, "cuda": torch.version.cuda}
 """
@@ -139,13 +154,35 @@ def live_step(check: Check, pool, t0: float) -> None:
         problems.append(f"the step DOES NOT match the unsplit model (max abs diff {got['max_abs_diff']:.2e})")
     if counts != want:
         problems.append(f"the cell's spans count {counts}, expected {want}")
+    problems += stages_problems(got)
     if check.device == "cuda" and got.get("device_name"):
         check.env["device_name"] = got["device_name"]  # torch's name for it, from the rank that used it
     why = "; ".join(problems) or (f"{got['backend']} on {got['device']}: Interleaved1F1B, 2 stages x 4 microbatches "
                                   f"match the unsplit model (max abs diff {got['max_abs_diff']:.2e}); the cell's spans "
-                                  f"hold its 16 actions")
+                                  f"hold its 16 actions; {stages_text(got)}")
     check.conclude("4_live_ranks", FAIL if problems else PASS, why, time.monotonic() - t0, rank=got, span_counts=counts,
                    run_dir=str(pool.run_dir))
+
+
+def stages_problems(got: dict) -> list[str]:
+    """check_stages on the part's step: it must pass, and on a GPU add at most half the step's own peak to the
+    device (its float64 and microbatched references run on the host: labkit.worker.stagewise)."""
+    problems = [] if got.get("stages_ok") else [f"check_stages failed the correct step (worst "
+                                                f"{got.get('stages_worst', float('nan')):.2g}x its floor)"]
+    step, added = got.get("step_peak_bytes"), got.get("check_stages_added_bytes")
+    if step and added is not None and added > 0.5 * step:
+        problems.append(f"check_stages added {added / 2 ** 20:.2f} MiB to the device, more than half the step's "
+                        f"own peak ({step / 2 ** 20:.2f} MiB)")
+    return problems
+
+
+def stages_text(got: dict) -> str:
+    step, added = got.get("step_peak_bytes"), got.get("check_stages_added_bytes")
+    text = f"check_stages passes it (worst {got.get('stages_worst', 0):.2g}x its floor)"
+    if step:
+        text += (f", adding {added / 2 ** 20:.2f} MiB to the device against the step's own peak of "
+                 f"{step / 2 ** 20:.2f} MiB ({added / step:.2f}x)")
+    return text
 
 
 def live_memory(check: Check, pool) -> None:
