@@ -277,3 +277,14 @@ def test_the_check_at_scale_rows_read_each_rank_against_its_step():
     assert "the check passed with every parameter compared; its peak was 2.0-2.0x" in text
     assert "refuses before it starts: \"check_step needs at least 26.00 GiB" in text
     assert bench._check_scale_rows(None) == []
+
+
+def test_the_instruments_as_launched_rows_say_each_condition():
+    """RESULTS.md's section of the instruments' cost as a user launches: a row per instrument and machine."""
+    summary = {"median": 1.05, "min": 0.98, "max": 1.2, "slower_in": 4, "ratios": [1.05] * 5}
+    al = {"pairs": 5, "steps": 20, "model": "m", "quiet": {"pp_logs": summary, "spans": summary, "load": [0.3, 0.5]},
+          "loaded": {"pp_logs": summary, "spans": summary, "load": [2.1, 2.4]}}
+    text = "\n".join(bench._as_launched_rows(al))
+    assert f"## {bench.AS_LAUNCHED_HEADING}" in text
+    assert "| pipelining logs (+pp) | quiet (load 0.3-0.5) | 1.050x | 0.980-1.200x | 4 of 5 |" in text
+    assert "| span recording | loaded (load 2.1-2.4) | 1.050x |" in text and bench._as_launched_rows(None) == []
