@@ -224,16 +224,15 @@ def cmd_timeline(a) -> int:
 
 
 def _compare(a) -> int:
-    """`labkit timeline --compare BEFORE AFTER`: why AFTER's step is slower, by cause (`explain_slowdown`)."""
+    """`labkit timeline --compare BEFORE AFTER`: why AFTER's step is slower, by cause, and how sure (`explain_slowdown`:
+    two runs' steps, paired in order, are the units its noise is read over)."""
     from .timeline.slowdown import explain_slowdown
 
     if len(a.paths) != 2:
         raise ConfigError(f"--compare takes two runs, BEFORE then AFTER (got {len(a.paths)} paths), e.g. "
                           f"labkit timeline --compare runs/quiet runs/busy")
     slowdown = explain_slowdown(*a.paths, source=a.source)
-    print(slowdown.text() + "\n\n" + slowdown.table())
-    for note in slowdown.notes:
-        print(f"note: {note}")
+    print(slowdown.report())  # the verdict and how sure (as pool.compare's .text()), the table, the notes
     if a.plot:
         from matplotlib.figure import Figure
 

@@ -1,7 +1,9 @@
 """What torch.compile actually ran (labkit.spans.compiled): dynamo's counts over a window, read from
 synthetic snapshots (no process, no compile), carried on a step's spans line into a timeline's
 `meta["compile"]` and an idle report's words; and on a live 2-rank Schedule1F1B step, a compiled stage
-that ran compiled against one that recompiled past a limit of 1 and fell back to eager."""
+that ran compiled against one that recompiled past a limit of 1 and fell back to eager. A stage that fell
+back keeps saying so in every later cell and step until it compiles again (issue 57: what ran, in every
+cell and step), with no dynamo count moving then."""
 
 from __future__ import annotations
 
@@ -101,6 +103,76 @@ def test_a_step_carries_its_counts_into_the_timeline_and_the_idle_report(tmp_pat
     text = explain_idle_spans(tmp_path).text()
     assert ("torch.compile, rank 1: 1 frame recompiled until dynamo's limit (torch._dynamo.config.recompile_limit "
             "= 1) and then ran eagerly") in text
+
+
+class _Module:
+    def __init__(self, compiled_):
+        self.compiled = compiled_
+
+
+class _Stage:
+    """What the recorder reads of a stage: its index and its module (compiled or not)."""
+
+    def __init__(self, index, module):
+        self.stage_index, self.submod = index, module
+
+
+def test_a_stage_that_fell_back_keeps_saying_so_until_it_compiles_again(tmp_path, monkeypatch):
+    """Four cells on rank 1 (the recorder carries on from one cell's file to the next): cell 1 compiles
+    stage 1, 4 frames dynamo cannot compile fall back; cell 2 moves no count (the frames just run
+    eagerly) but says stage 1 still runs eagerly since cell 1; cell 3 compiles again without falling
+    back: compiled; cell 4 runs an eager stage 1: nothing compiled, no `compile` at all."""
+    fell = state(total=6, ok=2, graphs=2, compiles={0: 1, 1: 1})
+    snaps = iter([state(), state(),          # the recorder's start, cell 1's file
+                  fell, fell, fell,          # cell 1's step; cell 2's file and step (nothing moved)
+                  fell, state(total=1, ok=1, graphs=1, compiles={0: 1}),  # cell 3: reset, compiled again
+                  state(total=1, ok=1, graphs=1, compiles={0: 1}), state(total=1, ok=1, graphs=1, compiles={0: 1}),
+                  state(total=1, ok=1, graphs=1, compiles={0: 1})])
+    monkeypatch.setattr(compiled, "snapshot", lambda: next(snaps))
+    monkeypatch.setattr(compiled, "is_compiled", lambda m: m.compiled)
+    r = recorder_mod.Recorder(None, rank=1)
+    kept = _Stage(1, _Module(True))  # one compiled stage, kept over cells 1-3; cell 4 runs a new, eager one
+    for cell, stage in ((1, kept), (2, kept), (3, kept), (4, _Stage(1, _Module(False)))):
+        r.use_file(tmp_path / f"{cell:03d}" / "rank1.jsonl", f"cell {cell}")
+        r.begin_step("Schedule1F1B")
+        for kind, t in (("F", 0.0), ("B", 2.0)):
+            r.saw_stage(stage)
+            r.add(kind, 1, 0, 10.0 * cell + t, 10.0 * cell + t + 1.0)
+        r.end_step()
+    r.use_file(None)
+    metas = [timeline_from_spans(tmp_path / f"{cell:03d}").meta.get("compile") for cell in (1, 2, 3, 4)]
+    eager = {"ran": "eager", "since": "cell 1", "why": "dynamo could not compile 4 frames"}
+    assert metas[0]["1"]["fell_back"] == 4 and metas[0]["1"]["stages"] == {"1": eager}
+    assert metas[1] == {"1": {**compiled.zero(), "stages": {"1": eager}}}  # no count moved: still eager
+    assert compiled.stage_notes(metas[1]) == ["rank 1: stage 1 runs eagerly since cell 1: dynamo could not "
+                                              "compile 4 frames"]
+    assert compile_notes(metas[1], fell_back_only=True) == compiled.stage_notes(metas[1])
+    assert "torch.compile, rank 1: stage 1 runs eagerly since cell 1" in explain_idle_spans(tmp_path / "002").text()
+    assert metas[2]["1"]["stages"] == {"1": {"ran": "compiled", "since": "cell 3"}}
+    assert compiled.stage_notes(metas[2]) == ["rank 1: stage 1 runs compiled (since cell 3)"]
+    assert compiled.ran_compiled(metas[2]) == {"1": {"1": True}}
+    assert compiled.ran_compiled(metas[1]) == {"1": {"1": False}}
+    assert compile_notes(metas[2], fell_back_only=True) == []
+    assert metas[3] is None and compiled.ran_compiled(metas[3]) is None  # nothing compiled: None
+    # a job's steps (no cell): since the step it fell back in
+    assert compiled.stage_state({0: _Stage(0, _Module(True))}, compiled.delta(state(), fell), "step 3") == \
+        {"0": {**eager, "since": "step 3"}}
+    # an eager stage run between two cells of a compiled one (notebook 14's rounds) leaves its state alone
+    other = _Stage(1, _Module(True))
+    compiled.stage_state({1: other}, compiled.delta(state(), fell), "cell 5")
+    assert compiled.stage_state({1: _Stage(1, _Module(False))}, compiled.zero(), "cell 6") == {}
+    assert compiled.stage_state({1: other}, compiled.zero(), "cell 7") == {"1": {**eager, "since": "cell 5"}}
+
+
+def test_is_compiled_sees_both_ways_of_compiling():
+    import torch
+    from torch import nn
+
+    assert not compiled.is_compiled(nn.Linear(2, 2)) and not compiled.is_compiled(None)
+    assert compiled.is_compiled(torch.compile(nn.Linear(2, 2), backend="eager"))
+    inner = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    inner[0].compile(backend="eager")  # in place, inside the stage's module
+    assert compiled.is_compiled(inner)
 
 
 def test_an_eager_step_records_no_counts(tmp_path, monkeypatch):
@@ -205,3 +277,48 @@ torch._dynamo.reset()
     assert ok, notes
     assert [n.split(":")[0] for n in notes] == ["torch.compile, rank 0", "torch.compile, rank 1"], notes
     assert all("recompiled until dynamo's limit" in n and "since the rank's process started" in n for n in notes)
+
+
+@pytest.mark.launches
+def test_a_stage_that_fell_back_keeps_saying_so_in_the_next_cell(pool):
+    """Cell A: a compiled stage recompiles past a limit of 1 and falls back. Cell B runs the same stage
+    again: no dynamo count moves (the frame just runs eagerly), yet meta["compile"] still says, per
+    rank, that its stage runs eagerly since cell A, and so do the notes and the idle report. Cell C
+    compiles a stage again: compiled."""
+    pool.exec("""
+torch._dynamo.reset()
+_cfg = torch._dynamo.config
+_name = "recompile_limit" if hasattr(_cfg, "recompile_limit") else "cache_size_limit"
+_old_limit = getattr(_cfg, _name)
+setattr(_cfg, _name, 1)
+torch.manual_seed(0)
+_kept = PipelineStage(torch.compile(Counting(), backend="eager"), rank, 2, device)
+_kept_sched = Schedule1F1B(_kept, 4, loss_fn=nn.MSELoss())
+_kx, _ky = torch.randn(8, 8), torch.randn(8, 8)
+def _kept_step():
+    _kept_sched.step(_kx) if rank == 0 else _kept_sched.step(target=_ky)
+_kept_step()
+""")
+    try:
+        cell_a = pool.last_cell
+        fell = pool.timeline().meta["compile"]
+        assert all(c["fell_back"] >= 1 for c in fell.values()), fell
+        pool.exec("_kept_step()")
+        cell_b = pool.last_cell
+        later = pool.timeline().meta["compile"]
+    finally:
+        pool.exec("setattr(_cfg, _name, _old_limit); torch._dynamo.reset()")
+    assert sorted(later) == ["0", "1"]
+    for rank, c in later.items():
+        assert c["stages"] == {rank: {"ran": "eager", "since": f"cell {cell_a}", "why": c["stages"][rank]["why"]}}, c
+        assert "recompiled until dynamo's limit" in c["stages"][rank]["why"]
+    notes = compiled.stage_notes(later)
+    assert [n.split(":")[0] for n in notes] == ["rank 0", "rank 1"]
+    assert all(f"runs eagerly since cell {cell_a}: " in n for n in notes), notes
+    idle = pool.idle(cell_b).text()
+    assert all(f"since cell {cell_a}" in n for n in compile_notes(later, fell_back_only=True))
+    assert all(n in idle for n in compile_notes(later, fell_back_only=True))
+    pool.exec("compiled_step(Steady)")
+    again = pool.timeline().meta["compile"]
+    assert compiled.ran_compiled(again) == {"0": {"0": True}, "1": {"1": True}}, again
+    print(f"at the limit: {fell}\nthe next cell: {later}\ncompiled again: {again}")

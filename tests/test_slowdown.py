@@ -4,7 +4,10 @@ change in their mean step time split into causes that add up to it exactly.
 The references are steps of known cause: the schedule's own simulation (`labkit.theory.simulate`,
 per-stage costs) with one stage's forwards made 1.6x as long, or every action stretched by time its
 rank spent without a CPU (spans with run-queue clocks, written to files as the ranks write them);
-and a hand-made step whose every piece of critical path is counted by hand. Pure logic: no process.
+and a hand-made step whose every piece of critical path is counted by hand. Issue 57: every cause that
+grew beyond its noise over the rounds (or two runs' steps), largest first, with the stage whose compute
+grew; rounds that disagree on the cause; one verdict through explain_slowdown, pool.compare and the CLI;
+a busy baseline said, never a bare verdict. Pure logic: no process.
 """
 
 import json
@@ -15,6 +18,7 @@ from matplotlib.figure import Figure
 
 from labkit.cli import main
 from labkit.core.actions import Action, Timeline
+from labkit.ranks.readings import CellReadings
 from labkit.spans.read import Span, timeline_from_spans
 from labkit.theory import Cost, simulate
 from labkit.theory.cost import StageCosts
@@ -271,3 +275,172 @@ def test_a_timeline_without_compute_is_refused():
     empty = Timeline([Action(0, 0, -1, "SEND", 0.0, 1.0)], "spans")
     with pytest.raises(ValueError, match="no compute actions"):
         explain_slowdown(empty, timeline())
+
+
+# ---- issue 57: every cause that grew, by its size; one rule everywhere --------------------------------------
+
+def varied(factors, pp: int = 2):
+    """[(step, action)]: one 1F1B step per (slow, scale) of `factors`, one after the other: stage 1's
+    forwards `slow` times as long, every action `scale` times (ms)."""
+    out, t0 = [], 0.0
+    for k, (slow, scale) in enumerate(factors):
+        one = simulate("1F1B", pp, 4, 1, StageCosts(((1, Cost(F=slow * MS * scale, B=2 * MS * scale)),),
+                                                    Cost(F=1 * MS * scale, B=2 * MS * scale), p2p=0.1 * MS))
+        out += [(k, a._replace(start=a.start + t0, end=a.end + t0)) for a in one.actions]
+        t0 += one.metrics()["makespan"] + MS
+    return out
+
+
+def write_steps(folder, factors, load=None):
+    """`varied(factors)` as spans files: in a step of `scale` s, each action's (s - 1) / s without a CPU
+    (the work less descheduling is the unscaled one's: a busier machine, not heavier code). `load`:
+    (runnable, load average) at every step's end, with the step's wall and run-queue seconds, as the
+    ranks write them (`labkit.spans.read.machine_load`: the quiet rule reads them)."""
+    acts = varied(factors)
+    (folder / "spans").mkdir(parents=True)
+    for rank in sorted({a.rank for _, a in acts}):
+        level, lines = 0.0, [{"meta": {"rank": rank, "clock": "host (time.time)"}}]
+        for k, (_, scale) in enumerate(factors):
+            share = 1 - 1 / scale
+            mine = sorted((a for kk, a in acts if a.rank == rank and kk == k), key=lambda a: a.start)
+            lines.append({"begin_step": k, "schedule": "Schedule1F1B"})
+            for a in mine:
+                lines.append({"rank": rank, "step": k, "kind": a.kind, "stage": a.stage, "mb": a.microbatch,
+                              "start": a.start, "end": a.end, "rq": [level, level + share * a.duration]})
+                level += share * a.duration
+            if load:
+                wall = mine[-1].end - mine[0].start
+                lines.append({"end_step": k, "wall": wall, "kit": 0.0, "wrappers": 0.0, "bookkeeping": 0.0,
+                              "calls": 0, "cpu": wall * (1 - share), "queued": share * wall, "cores": 2,
+                              "runnable": load[0], "load1": load[1]})
+        (folder / "spans" / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder
+
+
+QUIET, BUSY = (2, 1.0), (4, 3.1)  # (runnable, load average) at the steps' ends, on 2 cores
+
+
+def test_a_heavier_stage_on_a_busier_machine_names_both_largest_first(tmp_path):
+    """Two runs of 4 steps each (never interleaved: the steps are the units): after, stage 1's forwards
+    2.6-2.8x as long AND every action 1.45-1.55x as long with the extra all without a CPU. The machine's
+    excess (~+11 ms) and stage 1's forwards (~+8 ms) both grew beyond their noise: both are named,
+    the larger first; the steps agree on it."""
+    before = write_steps(tmp_path / "yesterday", [(1.0, 1.0)] * 4, load=QUIET)
+    after = write_steps(tmp_path / "today", [(2.7, 1.5), (2.8, 1.45), (2.6, 1.55), (2.7, 1.5)])
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert (s.unit, s.units, s.rounds) == ("step", 4, 1)
+    assert s.named == ["machine", "compute"] and s.main == "machine" and s.stages == [(1, "F")]
+    assert s.machine_excess > s.by_stage[(1, "F")][1] - s.by_stage[(1, "F")][0] > 0
+    assert s.baseline is not None and s.baseline.ok
+    text = s.text()
+    assert "both: the machine (+" in text
+    assert "for a CPU beyond the load it had: descheduled 33% of the step against 0%" in text
+    assert "and your code: stage 1's forwards take 2.7x as long (+7.8 ms)" in text
+    assert text.index("the machine (+") < text.index("your code:")
+    assert "Over 4 steps each way (paired in order)" in text and "every step agrees on its sign." in text
+    assert "disagree" not in text and "The baseline was quiet (2 runnable" in text
+    # the code grew more than the machine: the code first
+    heavier = write_steps(tmp_path / "heavier", [(4.0, 1.1), (4.2, 1.12), (3.9, 1.1), (4.1, 1.08)])
+    t = explain_slowdown(before, heavier)
+    assert t.named == ["compute", "machine"] and t.main == "compute"
+    assert t.text().index("your code: stage 1's forwards take") < t.text().index("the machine (+")
+
+
+def test_rounds_that_disagree_on_the_cause_say_so_and_how_many_would_settle_it(tmp_path):
+    """Four rounds: in two the code grew most, in two the machine; over all four both grew, the
+    machine's lead within its noise. The headline names both; the text says the rounds disagree on
+    the cause (not only on the sign) and about how many rounds would settle it."""
+    before = [write_steps(tmp_path / f"b{i}", [(1.0, 1.0)] * 3, load=QUIET) for i in range(4)]
+    after = [write_steps(tmp_path / f"a{i}", [f] * 3)
+             for i, f in enumerate([(3.0, 1.2), (1.6, 1.5), (2.9, 1.22), (1.7, 1.48)])]
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert (s.unit, s.units, s.rounds) == ("round", 4, 4)
+    assert s.named == ["machine", "compute"]
+    ag = s.agreement
+    assert ag.tops == {"compute": 2, "machine": 2} and (ag.first, ag.second) == ("machine", "compute")
+    assert not ag.settled and ag.needed > 4
+    # the rounds needed: the lead would exceed NOISE_Z standard errors of its per-round spread
+    from statistics import mean, stdev
+
+    from labkit.timeline.slowdown import NOISE_Z
+
+    diffs = [m - c for m, c in zip(s.changes["excess"], s.changes["compute"])]
+    assert ag.needed == pytest.approx((NOISE_Z * stdev(diffs) / mean(diffs)) ** 2, abs=1)
+    text = s.text()
+    assert "every round agrees on its sign." in text
+    assert (f"The rounds disagree on which cause grew most (your code in 2 of 4, the machine in 2): the machine "
+            f"leads your code by only") in text
+    assert f"about {ag.needed} rounds would settle it ({ag.needed - 4} more)." in text
+    assert "both: the machine (+" in text and "and your code: stage 1's forwards take" in text
+    # rounds that agree on the cause say so by saying nothing of it
+    agree = explain_slowdown(before, [write_steps(tmp_path / f"c{i}", [(3.0, 1.05)] * 3) for i in range(4)])
+    assert agree.agreement.second is None and "disagree" not in agree.text()
+
+
+def test_a_change_within_its_noise_is_not_named(tmp_path):
+    """The steps' changes scatter around zero: no cause is named, and the text says so with the noise."""
+    before = write_steps(tmp_path / "a", [(1.0, 1.0)] * 4, load=QUIET)
+    after = write_steps(tmp_path / "b", [(1.3, 1.0), (0.7, 1.0), (1.35, 1.0), (0.7, 1.0)])
+    s = explain_slowdown(before, after)
+    assert s.named == [] and s.stages == []
+    assert "no cause changed beyond its noise (the most: " in s.text()
+    assert "the steps disagree on its sign: measure more before acting on it." in s.text()
+
+
+class _Cells(CellReadings):
+    """pool.compare's readings without a pool: cells/<NNN>/spans of a run directory."""
+
+    def __init__(self, run_dir):
+        self.run_dir, self.last_cell = run_dir, None
+
+
+def test_one_rule_everywhere_and_a_busy_baseline_is_no_bare_verdict(tmp_path, capsys):
+    """explain_slowdown, pool.compare and `labkit timeline --compare` on the same two measurements give
+    the same verdict, word for word; measured on a busy baseline, it says so, and what it rests on."""
+    cells = tmp_path / "ranks" / "cells"
+    write_steps(cells / "001", [(1.0, 1.0)] * 4, load=BUSY)
+    write_steps(cells / "002", [(2.7, 1.5), (2.8, 1.45), (2.6, 1.55), (2.7, 1.5)], load=BUSY)
+    direct = explain_slowdown(cells / "001", cells / "002")
+    pooled = _Cells(tmp_path / "ranks").compare(1, 2)
+    assert main(["timeline", "--compare", str(cells / "001"), str(cells / "002")]) == 0
+    printed = capsys.readouterr().out
+    assert direct.text() == pooled.text() == printed.splitlines()[0]
+    assert direct.named == pooled.named == ["machine", "compute"]
+    assert printed.startswith(direct.report())
+    from labkit.spans import quiet_baseline, timeline_from_spans
+
+    quiet = quiet_baseline([timeline_from_spans(cells / "001")], cores=2)
+    assert not quiet.ok and direct.baseline == quiet  # the kit's one rule, read from the same steps
+    text = direct.text()
+    assert text.startswith("The step takes") and " on a busy baseline: both: the machine (+" in text
+    assert (f"Not a quiet baseline ({quiet.figures()}): by the kit's rule (labkit.spans.quiet) something else kept "
+            f"the machine busy, so the step's times are not compared as such; the verdict rests on what the ranks "
+            f"measured") in text
+    # rounds through pool.compare: the same function, the same words as explain_slowdown's
+    write_steps(cells / "003", [(1.0, 1.0)] * 4, load=BUSY)
+    write_steps(cells / "004", [(2.6, 1.5)] * 4, load=BUSY)
+    assert _Cells(tmp_path / "ranks").compare([1, 3], [2, 4]).text() == \
+        explain_slowdown([cells / "001", cells / "003"], [cells / "002", cells / "004"]).text()
+    # without scheduler clocks, how busy the machine was is said to be unmeasured, never silently skipped;
+    # with clocks but no load at the steps' ends, the quiet rule cannot be read: said too
+    assert "How busy the machine was is not measured (no scheduler clocks)" in \
+        explain_slowdown(timeline(), timeline(slow=1.6)).text()
+    unread = explain_slowdown(write_steps(tmp_path / "a", [(1.0, 1.0)] * 2),
+                              write_steps(tmp_path / "b", [(2.7, 1.5)] * 2))
+    assert unread.baseline is None and "Whether the baseline was quiet cannot be told" in unread.text()
+
+
+def test_a_stage_that_grew_is_named_when_the_step_got_faster(tmp_path):
+    """Before beside busy loops (every action 1.8x, the extra without a CPU), after on a quieter machine
+    with stage 1's forwards twice as long: the step got faster (the machine), and the stage that grew is
+    named too, never hidden behind the faster step."""
+    before = write_steps(tmp_path / "busy", [(1.0, 1.8), (1.0, 1.75), (1.0, 1.85)], load=BUSY)
+    after = write_steps(tmp_path / "heavier", [(2.0, 1.0), (2.05, 1.0), (1.95, 1.0)])
+    s = explain_slowdown(before, after)
+    adds_up(s)
+    assert s.after < s.before and s.named == ["machine"] and s.against == ["compute"]
+    text = s.text()
+    assert "the machine, not your code" in text
+    assert "; but what grew: your code: stage 1's forwards take 2.0x as long (+" in text

@@ -255,12 +255,13 @@ def _mark_schedule(path: str, started: float) -> None:
         f.write(head + text)
 
 
-def _cell_spans(path: Path):
-    """The spans recorder (labkit.spans), writing this cell's steps to the cell's own file."""
+def _cell_spans(path: Path, n: int):
+    """The spans recorder (labkit.spans), writing this cell's steps to the cell's own file (cell `n`: where a
+    compiled stage that falls back has run eagerly since)."""
     from ..spans.record import install
 
     rec = install()
-    rec.use_file(path)
+    rec.use_file(path, f"cell {n}")
     return rec
 
 
@@ -275,7 +276,7 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
     handler.setFormatter(logging.Formatter(PP_LOG_FORMAT))
     pp = logging.getLogger(PP_LOGGER)
     pp.addHandler(handler)
-    spans = _cell_spans(Path(log_path).parent / "spans" / f"rank{Path(log_path).stem[4:]}.jsonl")
+    spans = _cell_spans(Path(log_path).parent / "spans" / f"rank{Path(log_path).stem[4:]}.jsonl", n)
     STATE.cell = n
     started = time.time()
     try:

@@ -61,8 +61,11 @@ class CellReadings:
     def compare(self, before: int | list[int], after: int | list[int]):
         """Why cell `after`'s steps take longer than cell `before`'s (or less), by cause, over all their
         steps (`labkit.timeline.explain_slowdown`: the machine, compute per stage and kind, waiting,
-        communication, the kit's own share). Lists of cells: rounds, paired in order, whose spread says
-        how sure the answer is. Notebook 06b."""
+        communication, the kit's own share). Lists of cells: rounds, paired in order; two cells: their
+        steps, paired in order. Either way its `.text()` is the verdict `labkit timeline --compare` prints
+        for the same cells: every cause that changed beyond its noise, and how sure that is (the units'
+        spread and agreement, whether the before cells had a quiet baseline by `labkit.spans.quiet`'s
+        rule, what was not measured). Notebook 06b."""
         from ..timeline.slowdown import explain_slowdown
 
         cells = [[self.cell_dir(c) for c in (x if isinstance(x, (list, tuple)) else [x])] for x in (before, after)]
@@ -71,9 +74,9 @@ class CellReadings:
     def rounds(self, a: str, b: str, n: int = 3, timeout: float | None = None) -> tuple[list[int], list[int]]:
         """The cells `a` and `b` (code run on every rank) run alternately, `n` times each, in the order A B,
         B A, A B...: whatever the machine drifts into weighs on both sides alike. Returns their cell
-        numbers, for `compare(as, bs)` (the rounds' spread: how sure the answer is) and for
-        `labkit.spans.quiet_baseline([self.timeline(c) for c in as])` (was the machine quiet?).
-        Notebooks 06b and 14."""
+        numbers, for `compare(as, bs)` (its verdict weighs each cause against the rounds' spread and says
+        whether the `a` cells were a quiet baseline) and for `labkit.spans.quiet_baseline([self.timeline(c)
+        for c in as])` (the same rule, alone). Notebooks 06b and 14."""
         cells: tuple[list[int], list[int]] = ([], [])
         for i in range(n):
             for side in ((0, 1) if i % 2 == 0 else (1, 0)):

@@ -17,8 +17,18 @@ The spans recorder (`labkit.spans.recorder`) takes them over each step, in every
 (a live-ranks cell's steps and a job's); `labkit.spans.read` sums them per rank into a timeline's
 `meta["compile"]`; a job's result.json has them over its steps (`labkit.jobs.train`); the idle report
 says in words when a stage fell back (`compile_notes`). Reading costs nothing in a process that never
-imported torch._dynamo, about 6 us a step where it did (torch's pipelining imports it). Notebook 14
-compiles stages.
+imported torch._dynamo, about 6 us a step where it did (torch's pipelining imports it).
+
+A frame that fell back moves no count afterwards: it just runs eagerly. So the recorder also keeps, in
+the rank's process, what each compiled stage (`is_compiled`: its module, or one inside it, compiled by
+`torch.compile(m)` or `m.compile()`) last did (`stage_state`, on the stage's module): "compiled"
+(since the window where dynamo compiled for it without falling back, or first ran it so), or "eager"
+since the cell or step where a frame fell back while it ran, with why (`fell_back_reason`), until a
+later window compiles again. Every step of such a stage carries it (`stages`: {stage: {"ran", "since",
+"why"}} beside the counts), so every later cell's and job step's `meta["compile"]` says it
+(`stage_notes`, `ran_compiled`); `None` only where nothing is compiled. dynamo's counts are the
+process's: a rank with several compiled stages that ran in the window where a frame fell back marks
+each of them. Notebook 14 compiles stages.
 """
 
 from __future__ import annotations
@@ -91,13 +101,71 @@ def any_counts(counts: dict | None) -> bool:
 
 
 def add(a: dict | None, b: dict | None) -> dict:
-    """Two windows' counts as one (a cell's steps, a job's); the later window's limit wins."""
+    """Two windows' counts as one (a cell's steps, a job's); the later window's limit and stage states win."""
     out = zero()
     for counts in (a, b):
         for k in COUNTS:
             out[k] += int((counts or {}).get(k, 0))
         if (counts or {}).get("limit_name"):
             out["limit_name"], out["limit"] = counts["limit_name"], counts.get("limit")
+        if (counts or {}).get("stages"):
+            out["stages"] = {**out.get("stages", {}), **counts["stages"]}
+    return out
+
+
+def is_compiled(module) -> bool:
+    """Whether torch.compile wraps `module` or a module inside it: `torch.compile(m)` (an OptimizedModule)
+    or `m.compile()` (compiled in place). False without torch._dynamo imported (nothing compiled)."""
+    if module is None or "torch._dynamo" not in sys.modules or not hasattr(module, "modules"):
+        return False
+    from ..versions import compiled_module
+
+    try:
+        return compiled_module(module)
+    except Exception:  # a release that moved what is read: not known to be compiled, rather than a failed step
+        return False
+
+
+def fell_back_reason(counts: dict) -> str:
+    """Why a window's frames ran eagerly, in a few words ('' when none did)."""
+    at_limit, fell = int(counts.get("at_limit", 0)), int(counts.get("fell_back", 0))
+    parts = []
+    if at_limit:
+        name = counts.get("limit_name") or "recompile_limit"
+        value = f" = {counts['limit']}" if counts.get("limit") is not None else ""
+        parts.append(f"{_n(at_limit, 'frame')} recompiled until dynamo's limit (torch._dynamo.config.{name}{value})")
+    if fell > at_limit:
+        parts.append(f"dynamo could not compile {_n(fell - at_limit, 'frame')}")
+    return " and ".join(parts)
+
+
+STATE_ATTR = "_labkit_compile_state"
+"""Where a compiled stage's module keeps its state (`stage_state`): it lives as long as the module does."""
+
+
+def stage_state(ran: dict, counts: dict, here: str) -> dict:
+    """What each compiled stage that ran in a window did, carried over windows on the stage's module.
+
+    `ran`: {stage index: the stage (its `submod`)} that ran actions in the window; `counts`: the window's
+    (`delta`); `here`: its name ("cell 3", "step 7"). A frame that fell back: each compiled stage that ran
+    is "eager" since here, with why (one already eager keeps its since); dynamo compiled and nothing fell
+    back: "compiled" since here; nothing moved: as it was ("compiled" since here for a stage seen first).
+    Uncompiled stages are left out. Returns {str(stage index): its state} for the compiled ones."""
+    why, out = fell_back_reason(counts), {}
+    for index, stage in sorted(ran.items()):
+        module = getattr(stage, "submod", None)
+        if not is_compiled(module):
+            continue
+        was = vars(module).get(STATE_ATTR) if hasattr(module, "__dict__") else None
+        now = was
+        if why:
+            if not was or was["ran"] != "eager":
+                now = {"ran": "eager", "since": here, "why": why}
+        elif counts.get("frames", 0) > 0 or not was:
+            now = {"ran": "compiled", "since": here}
+        if hasattr(module, "__dict__"):  # on the module itself: a later cell's step of the same stage finds it
+            vars(module)[STATE_ATTR] = now
+        out[str(index)] = dict(now)
     return out
 
 
@@ -126,7 +194,8 @@ def compile_notes(per_rank: dict | None, fell_back_only: bool = False) -> list[s
     """In words, per rank (`per_rank`: a timeline's `meta["compile"]` or result.json's `compile`, keyed
     by rank, str or int): where a compiled stage did not run compiled (frames that fell back to
     eager, at a recompile limit or not), then, unless `fell_back_only`, its recompiles and graph
-    breaks. [] when dynamo did nothing of the kind."""
+    breaks. A compiled stage that fell back in an earlier window (no count moved in this one) is said
+    as still running eagerly (`stage_notes`). [] when dynamo did nothing of the kind."""
     notes = []
     for rank, c in sorted((per_rank or {}).items(), key=lambda kv: int(kv[0])):
         at_limit, fell = int(c.get("at_limit", 0)), int(c.get("fell_back", 0))
@@ -140,6 +209,8 @@ def compile_notes(per_rank: dict | None, fell_back_only: bool = False) -> list[s
         if fell > at_limit:
             notes.append(f"rank {rank}: {_n(fell - at_limit, 'frame')} that dynamo could not compile ran eagerly "
                          f"(TORCH_LOGS=graph_breaks says why)")
+        if not fell:  # a stage that fell back before this window: no count moves, it still runs eagerly
+            notes += [n for n in stage_notes({rank: c}) if " runs eagerly since " in n]
         if fell_back_only:
             continue
         if c.get("recompiles"):
@@ -149,3 +220,26 @@ def compile_notes(per_rank: dict | None, fell_back_only: bool = False) -> list[s
             notes.append(f"rank {rank}: {_n(int(c['graph_breaks']), 'graph break')}: its compiled code ran as "
                          f"several graphs with Python between them (TORCH_LOGS=graph_breaks says where)")
     return notes
+
+
+def stage_notes(per_rank: dict | None) -> list[str]:
+    """Per rank and compiled stage, in words, whether the compiled code ran (a timeline's
+    `meta["compile"]`, whose ranks carry `stages`): "rank 1: stage 1 runs eagerly since cell 1: dynamo
+    could not compile 4 frames", "rank 0: stage 0 runs compiled (since cell 1)". [] where nothing is
+    compiled (or the counts were recorded before the kit kept stage states)."""
+    notes = []
+    for rank, c in sorted((per_rank or {}).items(), key=lambda kv: int(kv[0])):
+        for stage, st in sorted((c or {}).get("stages", {}).items(), key=lambda kv: int(kv[0])):
+            if st.get("ran") == "eager":
+                notes.append(f"rank {rank}: stage {stage} runs eagerly since {st.get('since')}: {st.get('why')}")
+            else:
+                notes.append(f"rank {rank}: stage {stage} runs compiled (since {st.get('since')})")
+    return notes
+
+
+def ran_compiled(per_rank: dict | None) -> dict[str, dict[str, bool]] | None:
+    """{rank: {stage: whether its compiled code ran}} of a timeline's `meta["compile"]`; None where no
+    stage is compiled."""
+    out = {str(rank): {str(s): st.get("ran") == "compiled" for s, st in c["stages"].items()}
+           for rank, c in (per_rank or {}).items() if (c or {}).get("stages")}
+    return out or None

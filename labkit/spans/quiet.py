@@ -13,7 +13,8 @@ QUIET when, over its steps (medians):
 - at most a quarter of a step descheduled (`QUIET_SHARE`).
 
 Otherwise a comparison is not made, and the reading says why (`Quiet.text`). Used by notebook 06b's
-checks and tests/test_load.py.
+checks and tests/test_load.py; `labkit.timeline.explain_slowdown` reads it from the before side's steps
+and says a verdict given on a busy baseline is one (`quiet_from_loads`).
 
 May import: labkit.core."""
 
@@ -40,11 +41,15 @@ class Quiet:
         return (self.runnable <= self.cores + 1 and self.load1 <= 2 * self.cores + 2
                 and self.descheduled <= QUIET_SHARE)
 
+    def figures(self) -> str:
+        """What the rule read, in words (without the verdict)."""
+        return (f"{self.runnable:g} runnable at the steps' ends on {self.cores} cores, load average "
+                f"{self.load1:.2f}, descheduled {self.descheduled:.1%} of the steps")
+
     def text(self) -> str:
         what = "a quiet baseline: compared" if self.ok else \
             "no quiet baseline (something else kept the machine busy): not compared"
-        return (f"{self.runnable:g} runnable at the steps' ends on {self.cores} cores, load average "
-                f"{self.load1:.2f}, descheduled {self.descheduled:.1%} of the steps: {what}")
+        return f"{self.figures()}: {what}"
 
 
 def quiet_baseline(timelines, cores: int | None = None) -> Quiet:
@@ -52,10 +57,19 @@ def quiet_baseline(timelines, cores: int | None = None) -> Quiet:
     steps): the medians over their steps and ranks. A timeline without scheduler clocks (no
     `machine_load`: older files, CUDA) gives no reading: not quiet, said so by `Quiet.text`'s figures."""
     cores = cores or os.cpu_count() or 1
-    loads = [v for tl in timelines for v in tl.meta.get("machine_load", {}).values()]
-    runnable = [n for v in loads for n in v.get("runnable", []) if n is not None]
-    load1 = [n for v in loads for n in v.get("load1", []) if n is not None]
-    shares = [v["descheduled_in_steps_s"] / v["step_s"] for v in loads if v.get("step_s")]
+    reading = quiet_from_loads([tl.meta.get("machine_load", {}) for tl in timelines], cores)
+    return reading or Quiet(float("inf"), float("inf"), 1.0, cores)
+
+
+def quiet_from_loads(loads: list[dict], cores: int | None = None) -> Quiet | None:
+    """The rule read from `machine_load` readings ({rank: ...} each, `labkit.spans.read.machine_load`),
+    None where they hold none (no scheduler clocks). `cores`: the cores they were recorded on by
+    default (else this machine's). What `quiet_baseline` and `labkit.timeline.explain_slowdown` read."""
+    every = [v for per_rank in loads for v in (per_rank or {}).values()]
+    runnable = [n for v in every for n in v.get("runnable", []) if n is not None]
+    load1 = [n for v in every for n in v.get("load1", []) if n is not None]
+    shares = [v["descheduled_in_steps_s"] / v["step_s"] for v in every if v.get("step_s")]
     if not (runnable and load1 and shares):
-        return Quiet(float("inf"), float("inf"), 1.0, cores)
+        return None
+    cores = cores or next((v["cores"] for v in every if v.get("cores")), None) or os.cpu_count() or 1
     return Quiet(median(runnable), median(load1), median(shares), cores)

@@ -157,8 +157,10 @@ def instrument_overhead(spans: list[Span], meta: dict[int, dict]) -> dict[str, d
 def compile_counts(meta: dict[int, dict], ranks=None, kept: set | None = None) -> dict[str, dict]:
     """Per rank (str keys, as in JSON), what torch.compile did (`labkit.spans.compiled.COUNTS`: frames
     compiled, graphs, graph breaks, recompiles, frames that fell back to eager), summed over the
-    steps `kept` ({(rank, step)}; None: every step recorded) of `ranks` (None: every rank in `meta`).
-    {} when dynamo did nothing in them; else every rank, those that compiled nothing at 0."""
+    steps `kept` ({(rank, step)}; None: every step recorded) of `ranks` (None: every rank in `meta`),
+    with each compiled stage's state at the last of them (`stages`: whether its compiled code ran,
+    carried over cells and steps). {} when dynamo did nothing in them and no compiled stage ran; else
+    every rank, those that compiled nothing at 0."""
     from .compiled import add, any_counts, zero
 
     ranks = sorted(meta) if ranks is None else sorted(ranks)
@@ -169,7 +171,7 @@ def compile_counts(meta: dict[int, dict], ranks=None, kept: set | None = None) -
         for k, counts in sorted(steps.items()):
             if kept is None or (rank, k) in kept:
                 out[str(rank)] = add(out[str(rank)], counts)
-    return out if any(any_counts(v) for v in out.values()) else {}
+    return out if any(any_counts(v) or v.get("stages") for v in out.values()) else {}
 
 
 def machine_load(spans: list[Span], meta: dict[int, dict]) -> dict[str, dict]:

@@ -151,6 +151,7 @@ def _compute_wrapper(inner, kind_of):
             rec.device = torch.device(self.device)
         if rec.pipeline is None:
             rec.pipeline = _pipeline_of(self)
+        rec.saw_stage(self)  # a compiled stage's state is kept per step (labkit.spans.compiled)
         start = rec.now()
         c0 = _cpu()
         t_call = start if start.__class__ is float else _clock()

@@ -1,7 +1,8 @@
 """The spans of one process (`Recorder`): numbered by step, kept until the step ends, then written as
 one JSON line each to the current file, with the kit's own time around each action (`pre`, `post`,
-`kit`) and a closing `end_step` line; a step in which torch.compile did anything says what on its
-`begin_step` line (`compile`: dynamo's counts since the step before, `labkit.spans.compiled`).
+`kit`) and a closing `end_step` line; a step in which torch.compile did anything, or in which a
+compiled stage ran, says what on its `begin_step` line (`compile`: dynamo's counts since the step
+before, and each compiled stage's state carried over cells and steps, `labkit.spans.compiled`).
 `labkit.spans.record` creates one per rank and feeds it from its wrappers; `labkit.spans.read` reads
 the lines back."""
 
@@ -90,6 +91,8 @@ class Recorder:
         self.pipeline: list[int] | None = None  # this step's stage's process group: the ranks of its pipeline
         self.step_cpu: tuple = (time.thread_time(), None)  # the rank thread's clocks at the step's start (_cpu)
         self.dynamo = compiled.snapshot()  # dynamo's counters at the last step's end (or the file's start)
+        self.step_stages: dict[int, object] = {}  # this step's stages by index (`saw_stage`)
+        self.window: str | None = None  # what a fall-back is "since": "cell 3" (use_file's), else "step k"
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -123,6 +126,12 @@ class Recorder:
             row[8], self.loose = self.loose, []
         self.buf.append(row)
         return row
+
+    def saw_stage(self, stage) -> None:
+        """A stage ran an action in this step: at the step's end, whether it is compiled and what its
+        compiled code did (`labkit.spans.compiled.stage_state`)."""
+        if stage.stage_index not in self.step_stages:
+            self.step_stages[stage.stage_index] = stage
 
     def own(self, row: list | None, t_in: float, t_call: float, t_back: float, t_out: float) -> None:
         """A wrapped call's own time, host clock: its entry `t_in` to torch's call `t_call`, and that
@@ -159,6 +168,7 @@ class Recorder:
         self.kit, self.calls, self.loose = 0.0, 0, []
         if not self.buf:
             self.tags.clear()
+            self.step_stages = {}
             return
         if loose:  # after the step's last span: on its line
             self.buf[-1][8] = [*self.buf[-1][8], *loose]
@@ -171,6 +181,8 @@ class Recorder:
         pipeline, self.pipeline = self.pipeline, None
         now = compiled.snapshot()  # what dynamo compiled since the last step (None: never imported, no work)
         dynamo, self.dynamo = compiled.delta(self.dynamo, now), now
+        ran, self.step_stages = self.step_stages, {}
+        stages = compiled.stage_state(ran, dynamo, self.window or f"step {step}")
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +193,8 @@ class Recorder:
             begin = {"begin_step": step, "schedule": self.schedule}
             if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
                 begin["pipeline"] = pipeline
-            if compiled.any_counts(dynamo):  # torch.compile in this step (labkit.spans.compiled)
-                begin["compile"] = dynamo
+            if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
+                begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
             f.write(json.dumps(begin) + "\n")
             for kind, stage, mb, s, e, what, pre, post, pieces, cpu in rows:
                 row = {"rank": self.rank, "step": step, "kind": kind, "stage": stage, "mb": mb,
@@ -230,9 +242,12 @@ class Recorder:
                 "clock": "cuda events (device time, placed on the host clock at each step's start)"
                 if self._on_cuda() else "host (time.time)", "hooks": sorted(PATCHED)}
 
-    def use_file(self, path: str | os.PathLike | None) -> None:
+    def use_file(self, path: str | os.PathLike | None, window: str | None = None) -> None:
         """Send the next steps' spans to `path` (a live-ranks cell's file); what is buffered goes first.
-        dynamo's counts start again here: a cell's first step counts what the cell compiled before it."""
+        dynamo's counts start again here: a cell's first step counts what the cell compiled before it.
+        `window`: what these steps are called where a compiled stage falls back ("cell 3"; None: "step k");
+        the stages' states carry on from file to file."""
         self.flush()
         self.path = Path(path) if path else None
+        self.window = window
         self.dynamo = compiled.snapshot()

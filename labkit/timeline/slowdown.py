@@ -1,11 +1,12 @@
 """Why is this step slower: two measurements of the same schedule, the change in their mean step time
-split into causes that add up to it exactly (`explain_slowdown`, `labkit timeline --compare A B`).
+split into causes that add up to it exactly, and how sure that is (`explain_slowdown`, `pool.compare`,
+`labkit timeline --compare A B`: one function, one verdict, `Slowdown.text`).
 
-Each step is read along its critical path: from the action that ends the step back through what each
-action waited for last (its rank's previous action, or the input it needed from another stage: an
-F's from the stage before, a B's or I's from the stage after, a W's from its own I), down to the
-step's start. The path's pieces tile the step, so they add up to its time; each moment of it gets one
-cause (`CAUSES`):
+Each step is read along its critical path (`labkit.timeline.critical_path`): from the action that ends
+the step back through what each action waited for last (its rank's previous action, or the input it
+needed from another stage: an F's from the stage before, a B's or I's from the stage after, a W's from
+its own I), down to the step's start. The path's pieces tile the step, so they add up to its time; each
+moment of it gets one cause (`CAUSES`):
 
 - **machine**: its rank was runnable but had no CPU (the run-queue clock of spans with scheduler
   clocks, `labkit.spans.read.Span.queued`), inside an action or between two; where the path crosses
@@ -21,40 +22,74 @@ cause (`CAUSES`):
 
 A slower stage shows as its own compute wherever it sits in the pipeline, not as its neighbours'
 waiting; the time between two ranks is read on the receiving rank, less the sender's time without a
-CPU. A heavier action also waits longer for a CPU at the same load, so `Slowdown.main` judges the
-machine by its growth beyond the load the before side had (`Slowdown.machine_excess`). A run directory
-with spans is read from its spans (they hold the run queue between actions and the kit's own time,
-which a `Timeline` does not); anything else through `load_timeline`. Without scheduler clocks (older
+CPU. A heavier action also waits longer for a CPU at the same load, so the machine is judged by its
+growth beyond the load the before side had (`Slowdown.machine_excess`). Without scheduler clocks (older
 spans, CUDA's device time, logs) the machine's share is unknown (None, said in `notes`) and stays
 inside the other causes; so does the kit's where it was not measured.
-Taught in notebook 06b.
+
+How sure: the verdict weighs each cause's change against its own noise over units of measurement
+(`Slowdown.unit`): rounds (lists of measurements, paired in order: `pool.rounds` interleaves them), or,
+for two single measurements (yesterday's run and today's, never interleaved), their steps, paired in
+order. A cause changed when its mean change exceeds `NOISE_Z` standard errors of its per-unit changes
+and `FLOOR` of the step. The headline names EVERY such cause, largest first (`Slowdown.named`), and
+always a stage whose compute (less descheduling) changed; when the units disagree on which cause
+changed most it says so and about how many units would settle it (`Slowdown.agreement`); and it says
+whether the before side was a quiet baseline (`labkit.spans.quiet`): on a busy one, that the verdict
+is given on a busy baseline and what it rests on. Taught in notebook 06b.
 """
 
 from __future__ import annotations
 
-import os
-from bisect import bisect_right
+from collections import Counter
 from dataclasses import dataclass, field
-from statistics import mean
+from math import ceil, sqrt
+from statistics import mean, stdev
 from typing import NamedTuple
 
-from ..core.actions import COMPUTE_KINDS, Timeline
-from ..spans.read import Span, has_spans, read_spans, recorded_pipelines, without_descheduling
-from .rank_time import _merged, _minus, _Rank
+from ..spans.quiet import Quiet, quiet_from_loads
+from .critical_path import CAUSES, _load, _reading, _Reading
+from .slowdown_text import SlowdownText, _ms
 
 __all__ = ["CAUSES", "Slowdown", "explain_slowdown"]
 
-CAUSES = ("machine", "compute", "waiting", "communication", "kit")
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 COLOURS = {"machine": "#CC79A7", "compute": "#0072B2", "waiting": "#56B4E9", "communication": "#999999",
            "kit": "#F0E442"}  # as `labkit.timeline.plot.CAUSE_COLOURS` draws the idle causes
+NOISE_Z = 2.0
+"""A cause changed when its mean change exceeds this many standard errors of its per-unit changes (~95%)..."""
+FLOOR = 0.02
+"""... and this share of the before step: a steadier, smaller change is not worth naming."""
+ACTION_FLOOR = 0.1
+"""A stage is named when its compute on the critical path changed so AND one of its actions (less
+descheduling) by more than this share (and its noise): not where the path merely moved between stages."""
+MAX_UNITS = 1000
+"""Beyond this many rounds (steps) to settle which cause changed most, the kit says they changed alike."""
 Pair = tuple  # (before, after)
 
 
+class Agreement(NamedTuple):
+    """Which cause each unit (round or step) says changed most, and whether the units' mean settles it."""
+
+    tops: dict
+    """{cause: how many units name it the cause that changed most}, most first."""
+    first: str
+    """The verdict's leading cause."""
+    second: str | None
+    """The cause it is weighed against: the one other units name (None: every unit names `first`)."""
+    lead: float
+    """`first`'s mean lead over `second` per unit, seconds (0.0 when every unit agrees)."""
+    settled: bool
+    """The lead exceeds `NOISE_Z` standard errors (True when every unit agrees)."""
+    needed: int | None
+    """About how many units would settle it (None: settled, or not within `MAX_UNITS`)."""
+
+
 @dataclass
-class Slowdown:
+class Slowdown(SlowdownText):
     """The change between two measurements of a step, by cause. Times are seconds per step: each
-    measurement's mean over its steps (then over rounds); every cause's pair adds up to the step's."""
+    measurement's mean over its steps (then over rounds); every cause's pair adds up to the step's.
+    In words: `text()`, `report()`, `table()` (`labkit.timeline.slowdown_text`)."""
+
+    _floor = FLOOR  # (not a field) the words say it
 
     before: float
     """Mean step time before (each step's makespan: its first action's start to its last action's end)."""
@@ -68,13 +103,25 @@ class Slowdown:
     """{(stage, kind): (before_s, after_s)}: ONE such action's mean time less its descheduling, over every
     rank and step (what "takes 1.6x as long" compares)."""
     spread: dict[str, Pair] = field(default_factory=dict)
-    """With several rounds: {"step" or cause: (smallest, largest) change of one round}; empty for one."""
+    """With several units: {"step" or cause: (smallest, largest) change of one unit}; empty for one."""
     rounds: int = 1
     """How many pairs of measurements were compared."""
     notes: list[str] = field(default_factory=list)
     """What could not be read (no scheduler clocks, no kit measurement) and so is not a cause here."""
     machine_in_actions: Pair = (None, None)
     """(before_s, after_s): the part of the machine cause inside the path's actions (the rest is between them)."""
+    changes: dict[str, list[float]] = field(default_factory=dict)
+    """Each unit's change, in order: {"step", each known cause, "excess" (the machine's beyond its load)};
+    what the noise is read from. Empty when made by hand."""
+    stage_changes: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    """Each unit's change of each (stage, kind)'s compute on the critical path."""
+    action_changes: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    """Each unit's change of one such action's time less its descheduling (`per_action`)."""
+    unit: str = "round"
+    """What one unit of `changes` is: "round" (rounds given, paired in order) or "step" (two measurements:
+    their steps, paired in order)."""
+    baseline: Quiet | None = None
+    """The quiet rule (`labkit.spans.quiet`) over the before side's steps; None where not measured."""
 
     @property
     def delta(self) -> dict[str, float | None]:
@@ -88,90 +135,120 @@ class Slowdown:
         as much per second of its own work as before's: its actions (machine in them / compute, before,
         times compute after) and the time between them (the same with the rest of the step); the excess
         is what the machine added beyond that."""
-        (mb, ma), (ib, ia), (cb, ca) = self.causes["machine"], self.machine_in_actions, self.causes["compute"]
-        if mb is None:
-            return None
-        if ib is None:  # made by hand: the whole step at one share
-            return ma - _same_share(mb, self.before - mb, self.after - ma)
-        return ma - _same_share(ib, cb, ca) - _same_share(mb - ib, self.before - mb - cb, self.after - ma - ca)
+        return _excess(self.before, self.after, self.causes["machine"], self.machine_in_actions,
+                       self.causes["compute"])
+
+    # ---- how sure
+
+    @property
+    def units(self) -> int:
+        """How many units (rounds, or steps paired in order) the noise is read over (0: made by hand)."""
+        return len(self.changes.get("step", []))
+
+    def noise(self, what, raw: bool = False) -> float | None:
+        """`NOISE_Z` standard errors of `what`'s mean change over the units: "step", a cause (the machine's
+        excess for "machine", unless `raw`) or a (stage, kind). None with fewer than two units."""
+        if isinstance(what, tuple):
+            return _noise(self.stage_changes.get(what))
+        return _noise(self.changes.get("excess" if what == "machine" and not raw else what))
+
+    def _limit(self, what) -> float:
+        """What a change must exceed to count: its noise, and `FLOOR` of the step."""
+        return max(FLOOR * self.before, self.noise(what) or 0.0)
+
+    @property
+    def _sign(self) -> int:
+        return 1 if self.after >= self.before else -1
+
+    def _size(self, what) -> float | None:
+        """The change the verdict weighs: a cause's (the machine by its excess) or a (stage, kind)'s compute."""
+        if isinstance(what, tuple):
+            b, a = self.by_stage[what]
+            return a - b
+        return self.machine_excess if what == "machine" else self.delta[what]
+
+    def _beyond(self, what, way: int) -> bool:
+        size = self._size(what)
+        return size is not None and way * size > self._limit(what)
+
+    def _stages(self, way: int) -> list[tuple[int, str]]:
+        def action(k) -> bool:
+            b, a = self.per_action.get(k, (0.0, 0.0))
+            if b <= 0:
+                return way * a > 0
+            return way * (a - b) > max(ACTION_FLOOR * b, _noise(self.action_changes.get(k)) or 0.0)
+        return sorted((k for k in self.by_stage if self._beyond(k, way) and action(k)),
+                      key=lambda k: -way * self._size(k))
+
+    def _named(self, way: int) -> list[str]:
+        stages = self._stages(way)
+        out = [c for c in CAUSES if c != "compute" and self._beyond(c, way)]
+        if stages or self._beyond("compute", way):
+            out.append("compute")
+
+        def size(c):
+            if c == "compute":
+                return max([way * self._size("compute")] + [way * self._size(k) for k in stages])
+            return way * self._size(c)
+        return sorted(out, key=size, reverse=True)
+
+    @property
+    def stages(self) -> list[tuple[int, str]]:
+        """Every (stage, kind) whose compute on the critical path (less descheduling) changed beyond its
+        noise the way the step did, and one of whose actions did too (by over `ACTION_FLOOR`), largest first."""
+        return self._stages(self._sign)
+
+    @property
+    def named(self) -> list[str]:
+        """Every cause that changed beyond its noise the way the step did (grew when it got slower), largest
+        first; compute whenever a stage's did (`stages`). What the headline names."""
+        return self._named(self._sign)
+
+    @property
+    def against(self) -> list[str]:
+        """The causes that changed beyond their noise the other way (a stage that grew in a step that got
+        faster, as a busy machine became less busy), largest first: the headline names them too."""
+        return self._named(-self._sign)
 
     @property
     def main(self) -> str:
-        """The cause that grew most (that shrank most when the step got faster), the machine by its
-        `machine_excess`: not by what a heavier action waits for a CPU at the load it had."""
+        """The cause that grew most (that shrank most when the step got faster) beyond its noise, else
+        the one that changed most: the machine by its `machine_excess`, not by what a heavier action
+        waits for a CPU at the load it had."""
+        named = self.named
+        if named:
+            return named[0]
         known = {c: d for c, d in self.delta.items() if d is not None}
         if "machine" in known:
             known["machine"] = self.machine_excess
         return (min if self.after < self.before else max)(known, key=known.get)
 
-    def text(self) -> str:
-        """What changed, in one sentence a learner can act on (with the rounds' spread when there are several)."""
-        d = self.after - self.before
-        out = (f"The step takes {_ms(self.after)} against {_ms(self.before)} ({_ms(d, sign=True)}"
-               + (f", {self.after / self.before:.2f}x" if self.before > 0 else "") + "): " + self._why() + ".")
-        if self.rounds > 1:
-            lo, hi = self.spread["step"]
-            out += (f" Over {self.rounds} rounds one round's change ran from {_ms(lo, sign=True)} to "
-                    f"{_ms(hi, sign=True)}" + ("; every round agrees." if lo * hi > 0 else
-                                               "; the rounds disagree on its sign: measure more before acting on it."))
-        return out
+    @property
+    def agreement(self) -> Agreement | None:
+        """Which cause each unit says changed most, and whether the units' mean settles the verdict's
+        lead over the cause other units name; None with fewer than two units."""
+        n = self.units
+        if n < 2:
+            return None
+        key = {c: "excess" if c == "machine" else c for c in CAUSES}
+        known = [c for c in CAUSES if key[c] in self.changes]
 
-    def _why(self) -> str:
-        cause, d = self.main, self.delta[self.main]
-        if not any(self.delta.values()):
-            return "no cause changed"
-        more, load = "more" if d >= 0 else "less", self._load()
-        if cause == "compute":
-            stage, kind = max(self.by_stage, key=lambda k: (1 if d >= 0 else -1) * (self.by_stage[k][1]
-                                                                                   - self.by_stage[k][0]))
-            b, a = self.per_action.get((stage, kind), (0.0, 0.0))
-            took = f"take {a / b:.1f}x as long" if b > 0 else "appear"
-            return (f"stage {stage}'s {KIND_NAMES.get(kind, kind)}s {took} ({_ms(abs(d))} {more} compute per step "
-                    f"on the critical path): the code" + (load or ", not the machine"))
-        return {"machine": f"the ranks waited {_ms(abs(d))} {more} for a CPU: the machine, not your code (other "
-                           f"processes held the cores" + (f"; {self._shares()[2]}" if self.causes["machine"][0] else "")
-                           + ")",
-                "waiting": f"the critical path spent {_ms(abs(d))} {more} between actions outside any transfer "
-                           f"(the schedule's own Python, the loss, a wait for data it did not trace), not in any "
-                           f"stage's compute",
-                "communication": f"sends and receives on the critical path took {_ms(abs(d))} {more}: the "
-                                 f"transfers between ranks (their size, the backend, the link)",
-                "kit": f"the kit's own instrumentation took {_ms(abs(d))} {more}: the measurement, not your code",
-                }[cause] + ("" if cause == "compute" else load)
-
-    def _shares(self, actions: bool = False) -> tuple[float, float, str]:
-        """(before, after, in words): the share of the step (of the path's actions' time) without a CPU."""
-        (mb, ma), (ib, ia), (cb, ca) = self.causes["machine"], self.machine_in_actions, self.causes["compute"]
-        pb, pa, of = mb / self.before, ma / self.after, "the step"
-        if actions and ib is not None and ib + cb > 0 and ia + ca > 0:
-            pb, pa, of = ib / (ib + cb), ia / (ia + ca), "the actions' time"
-        same = f"{pb:.0%}" == f"{pa:.0%}"
-        return pb, pa, f"descheduled {pa:.0%} of {of} " + ("both times" if same else f"against {pb:.0%}")
-
-    def _load(self) -> str:
-        """Where the machine, busy before too, changed with the step but is not `main`: how busy it was ('' else)."""
-        (mb, ma), d = self.causes["machine"], self.after - self.before
-        if self.main == "machine" or not mb or (ma - mb) * d <= 0:
-            return ""
-        (pb, pa, shares), excess = self._shares(actions=True), self.machine_excess
-        longer = "longer" if d > 0 else "shorter"
-        if abs(pa - pb) < 0.05:
-            return (f"; the machine was as busy as before ({shares}): its {_ms(abs(ma - mb))} "
-                    f"{'more' if d > 0 else 'less'} for a CPU came with the {longer} step")
-        return (f"; the machine was {'busier than before too' if excess > 0 else 'less busy than before'} "
-                f"({shares}: {_ms(abs(excess))} {'beyond' if excess > 0 else 'short of'} what the "
-                f"{longer} step would wait for a CPU at the load it had)")
-
-    def table(self) -> str:
-        """Per cause (and compute per stage and kind): before, after and the change, in ms."""
-        rows = [("step", (self.before, self.after))] + [(c, self.causes[c]) for c in CAUSES]
-        rows[3:3] = [(f"  stage {s} {k}", v) for (s, k), v in sorted(self.by_stage.items())]
-        lines = [f"{'cause':16s} {'before ms':>10s} {'after ms':>10s} {'change ms':>10s}"]
-        for name, (b, a) in rows:
-            cells = ("unknown",) * 3 if b is None else (f"{1e3 * b:.3f}", f"{1e3 * a:.3f}",
-                                                        f"{round(1e3 * (a - b), 3) + 0.0:+.3f}")  # no "-0.000"
-            lines.append(f"{name:16s} " + " ".join(f"{c:>10s}" for c in cells))
-        return "\n".join(lines)
+        def at(c, i):
+            return self._sign * self.changes[key[c]][i]
+        tops = dict(Counter(max(known, key=lambda c: at(c, i)) for i in range(n)).most_common())
+        first = self.main
+        others = [c for c in tops if c != first]
+        if not others:
+            return Agreement(tops, first, None, 0.0, True, None)
+        second = max(others, key=lambda c: (tops[c], self._sign * (self._size(c) or 0.0)))
+        diffs = [at(first, i) - at(second, i) for i in range(n)]
+        lead, sd = mean(diffs), stdev(diffs)
+        settled = lead > NOISE_Z * sd / sqrt(n)
+        needed = None
+        if not settled and lead > 0:
+            k = ceil((NOISE_Z * sd / lead) ** 2)
+            needed = max(k, n + 1) if k <= MAX_UNITS else None
+        return Agreement(tops, first, second, lead, settled, needed)
 
     def plot(self, ax) -> list:
         """Before and after side by side, each a bar of the mean step stacked by cause (ms); returns the artists."""
@@ -191,22 +268,34 @@ class Slowdown:
         return artists
 
 
+def _noise(xs) -> float | None:
+    return NOISE_Z * stdev(xs) / sqrt(len(xs)) if xs and len(xs) > 1 else None
+
+
 def _same_share(queued: float, before: float, after: float) -> float:
     """`queued` seconds without a CPU over `before` seconds of work: as many per second over `after`."""
     return queued / before * after if before > 0 else queued
 
 
-def _ms(seconds: float, sign: bool = False) -> str:
-    return f"{1e3 * seconds:{'+' if sign else ''}.3g} ms"
+def _excess(before: float, after: float, machine: Pair, in_actions: Pair, compute: Pair) -> float | None:
+    """`Slowdown.machine_excess` of one pair of steps (or of the means)."""
+    (mb, ma), (ib, ia), (cb, ca) = machine, in_actions, compute
+    if mb is None:
+        return None
+    if ib is None:  # made by hand: the whole step at one share
+        return ma - _same_share(mb, before - mb, after - ma)
+    return ma - _same_share(ib, cb, ca) - _same_share(mb - ib, before - mb - cb, after - ma - ca)
 
 
 def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
-    """Why `after`'s steps take longer than `before`'s (or less), by cause, over all their steps.
+    """Why `after`'s steps take longer than `before`'s (or less), by cause, over all their steps, and how
+    sure that is (`Slowdown.text`).
 
     Each side is a `Timeline`, a run directory, a live-ranks cell directory or a spans file (read from
     its spans where it has them, else with `load_timeline(path, source)`), or a list of them: several
-    rounds, paired in order, whose per-round changes give `spread` ("how sure is this?"). Both sides
-    should run the same schedule. Notebook 06b."""
+    rounds, paired in order, whose per-round changes give the noise each cause is weighed against. Two
+    single measurements (two runs, never interleaved) are weighed over their steps, paired in order.
+    Both sides should run the same schedule. Notebook 06b."""
     sides = [list(x) if isinstance(x, (list, tuple)) else [x] for x in (before, after)]
     if len(sides[0]) != len(sides[1]) or not sides[0]:
         raise ValueError(f"Give as many rounds before as after (got {len(sides[0])} and {len(sides[1])}): "
@@ -222,192 +311,44 @@ def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
     if not kit:
         notes.append("kit: unknown, as not every measurement holds the kit's own time (spans record it); it is "
                      "inside the causes between actions, mostly waiting.")
-    b, a = ([_reading(m, clocked, kit) for m in side] for side in loaded)
-    return _compare(b, a, notes, unknown={c for c, known in (("machine", clocked), ("kit", kit)) if not known})
+    read = [[_reading(m, clocked, kit) for m in side] for side in loaded]
+    b, a = ([mean_step for mean_step, _ in side] for side in read)
+    if len(b) > 1:
+        units, unit = list(zip(b, a)), "round"
+    else:
+        (_, steps_b), (_, steps_a) = read[0][0], read[1][0]
+        units, unit = list(zip(steps_b, steps_a)), "step"
+        if len(steps_b) != len(steps_a):
+            notes.append(f"steps: before has {len(steps_b)}, after {len(steps_a)}: the first {len(units)} of each "
+                         f"are paired for the noise; the means are over all of them.")
+    baseline = quiet_from_loads([m.load for m in loaded[0]]) if all(m.load for m in loaded[0]) else None
+    return _compare(b, a, notes, {c for c, known in (("machine", clocked), ("kit", kit)) if not known},
+                    units, unit, baseline)
 
 
-class _Loaded(NamedTuple):
-    """One measurement as spans (a `Timeline`'s actions made into spans), before it is read."""
-
-    spans: list[Span]
-    pipeline_of: dict[int, int]
-    clocked: bool   # every compute span has its run-queue clock
-    kit: bool       # the kit's own time was measured
-    notes: list[str]
-
-
-def _load(x, source: str, name: str) -> _Loaded:
-    if isinstance(x, Timeline):
-        return _from_timeline(x, name)
-    if not isinstance(x, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a Timeline, a run directory or a spans file, got {type(x).__name__}.")
-    if source not in ("auto", "spans") or not has_spans(x):
-        from .compare import load_timeline
-
-        return _from_timeline(load_timeline(x, source), name)
-    spans, meta = read_spans(x)
-    comp = [s for s in spans if s.kind in COMPUTE_KINDS]
-    clocked = bool(comp) and all(s.rq for s in comp)
-    notes = []
-    if not clocked:
-        cuda = any(str(m.get("clock", "")).startswith("cuda") for m in meta.values())
-        notes.append(f"{name}: no scheduler clocks in its spans (" + ("CUDA spans time the device, not the host's "
-                     "run queue" if cuda else "recorded before the kit read the run queue, or not on Linux") + ").")
-    kit = any(s.own() for s in spans) or any("instrument" in m for m in meta.values())
-    pipes = enumerate(recorded_pipelines(spans, meta) or [])
-    return _Loaded(spans, {r: i for i, p in pipes for r in p}, clocked, kit, notes)
-
-
-def _from_timeline(tl: Timeline, name: str) -> _Loaded:
-    """A timeline's actions as spans: each compute action with a run-queue clock made from its descheduled
-    seconds (`without_descheduling`; none between actions), each receive as the wait for it (as
-    `labkit.spans.read` draws one), cut into steps as `compute_steps` cuts them."""
-    steps = max(1, int(tl.meta.get("steps") or 1))
-    clocked = "queued_s" in tl.meta or bool(tl.meta.get("machine_load"))
-    queued = {id(a): a.duration - s.duration for a, s in zip(tl.actions, without_descheduling(tl).actions)}
-    spans = []
-    for rank in tl.ranks:
-        mine = sorted((a for a in tl.actions if a.rank == rank), key=lambda a: (a.start, a.end))
-        comp = [a for a in mine if a.kind in COMPUTE_KINDS]
-        n = max(1, len(comp) // steps)
-        cuts = [comp[i * n].start for i in range(1, steps) if i * n < len(comp)]
-        level = 0.0
-        for a in mine:
-            step = bisect_right(cuts, a.start)
-            if a.kind in COMPUTE_KINDS:
-                q = queued[id(a)]
-                spans.append(Span(rank, step, a.kind, a.stage, a.microbatch, a.start, a.end,
-                                  rq=(level, level + q) if clocked else ()))
-                level += q
-            else:
-                kind, what = ("WAIT", "recv") if a.kind == "RECV" else (a.kind, "")
-                spans.append(Span(rank, step, kind, -1, -1, a.start, a.end, what))
-    notes = []
-    if not clocked:
-        origin = {"measured": "torch's PP logs", "profiler": "a profiler trace", "theory": "a simulation"}
-        notes.append(f"{name}: a timeline from {origin.get(tl.source, tl.source)} has no scheduler clocks.")
-    elif tl.source == "spans":
-        notes.append(f"{name}: a Timeline keeps each action's descheduled time, not the time between actions nor "
-                     f"the kit's; pass its run directory for both.")
-    return _Loaded(spans, tl.pipeline_of(), clocked, False, notes)
-
-
-class _Tally:
-    """The causes of one step's critical path, piece by piece."""
-
-    def __init__(self):
-        self.causes = dict.fromkeys(CAUSES, 0.0)
-        self.by_stage: dict[tuple[int, str], float] = {}
-        self.in_actions = 0.0  # the machine's part inside the path's actions
-
-    def add(self, rank: _Rank, cause, pieces: list[tuple[float, float]], sender=None) -> None:
-        """`pieces` of `rank`'s time, to `cause` (a (stage, kind) for compute) less the machine's part: its
-        run-queue clock over them, and on a hand-off the `sender`'s ((its `_Rank`, until when) it had no CPU
-        to send)."""
-        length = sum(b - a for a, b in pieces)
-        queued = sum(rank.queued(a, b) for a, b in pieces)
-        if sender is not None:
-            other, until = sender
-            queued += sum(other.queued(a, min(b, until)) for a, b in pieces if a < until)
-        machine = min(length, queued)
-        self.causes["machine"] += machine
-        if isinstance(cause, tuple):
-            self.in_actions += machine
-            self.by_stage[cause] = self.by_stage.get(cause, 0.0) + length - machine
-            cause = "compute"
-        self.causes[cause] += length - machine
-
-    def between(self, rank: _Rank, lo: float, hi: float, sender=None) -> None:
-        """[lo, hi] on `rank` between two actions: sends and receives, waits (for the input from another
-        rank on a hop, from a `sender`: communication), the kit's own, the rest; on a hop, the time the
-        sender was runnable without a CPU while handing its output on is the machine's."""
-        taken: list[tuple[float, float]] = []
-        waits = "communication" if sender else "waiting"
-        for cause, covered in (("communication", rank.posts), (waits, rank.waits), ("kit", rank.kit)):
-            pieces = _minus(_merged(covered.near(lo, hi), lo, hi), taken)
-            self.add(rank, cause, pieces, None if cause == "kit" else sender)
-            taken = _merged(taken + pieces, lo, hi)
-        self.add(rank, "waiting", _minus([(lo, hi)] if hi > lo else [], taken), sender)
-
-
-def _inputs(s: Span) -> list[tuple[int, int, str]]:
-    """(stage, microbatch, kind) of the actions whose output `s` needs (`labkit.theory.simulate`'s rule)."""
-    if s.kind == "F":
-        return [(s.stage - 1, s.mb, "F")]
-    if s.kind in ("B", "I"):
-        return [(s.stage, s.mb, "F"), (s.stage + 1, s.mb, "B"), (s.stage + 1, s.mb, "I")]
-    return [(s.stage, s.mb, "I")]
-
-
-def _critical_path(comp: dict[int, list[Span]], ranks: dict[int, _Rank], pipeline_of: dict[int, int]):
-    """(step time, `_Tally` of its causes) of one step (`comp`: each rank's compute spans in time order)."""
-    every = [s for mine in comp.values() for s in mine]
-    made = {(pipeline_of.get(s.rank, 0), s.stage, s.mb, s.kind): s for s in every}
-    previous = {s: p for mine in comp.values() for p, s in zip(mine, mine[1:])}
-    t0, t1 = min(s.start for s in every), max(s.end for s in every)
-    tally, s, cursor = _Tally(), max(every, key=lambda x: x.end), t1
-    while True:
-        lo = min(s.start, cursor)
-        tally.add(ranks[s.rank], (s.stage, s.kind), [(lo, cursor)])
-        cursor = lo
-        options = [previous.get(s)] + [made.get((pipeline_of.get(s.rank, 0), *k)) for k in _inputs(s)]
-        options = [p for p in options if p is not None and p.start < s.start]
-        if not options:
-            break
-        p = max(options, key=lambda x: x.end)  # what it waited for last (its own rank's on a tie)
-        lo = min(p.end, cursor)
-        sender = ranks[p.rank]  # on a hop, its clock until its next action (posting and waiting for sends)
-        tally.between(ranks[s.rank], lo, cursor, (sender, sender.next_action(p.end)) if p.rank != s.rank else None)
-        cursor, s = lo, p
-    tally.between(ranks[s.rank], t0, cursor)
-    return t1 - t0, tally
-
-
-class _Reading(NamedTuple):
-    step: float
-    causes: dict[str, float]
-    by_stage: dict[tuple[int, str], float]
-    per_action: dict[tuple[int, str], float]
-    in_actions: float
-
-
-def _reading(m: _Loaded, clocked: bool, kit: bool) -> _Reading:
-    """One measurement's mean step, causes and compute per stage, over all its steps."""
-    ranks = {r: _Rank([s for s in m.spans if s.rank == r], clocked, kit) for r in sorted({s.rank for s in m.spans})}
-    steps: dict[int, dict[int, list[Span]]] = {}
-    own: dict[tuple[int, str], list[float]] = {}
-    for r in ranks:
-        comp = [s for s in m.spans if s.rank == r and s.kind in COMPUTE_KINDS]
-        numbers = {n: i for i, n in enumerate(sorted({s.step for s in comp}))}  # the rank's k-th step
-        for s in sorted(comp, key=lambda x: (x.start, x.end)):
-            steps.setdefault(numbers[s.step], {}).setdefault(r, []).append(s)
-            own.setdefault((s.stage, s.kind), []).append(s.end - s.start - ranks[r].queued(s.start, s.end))
-    if not steps:
-        raise ValueError("This measurement has no compute actions (F, B, I, W): nothing to compare.")
-    times, read = zip(*(_critical_path(comp, ranks, m.pipeline_of) for _, comp in sorted(steps.items())))
-    stages = sorted({k for x in read for k in x.by_stage})
-    return _Reading(mean(times), {c: mean(x.causes[c] for x in read) for c in CAUSES},
-                    {k: mean(x.by_stage.get(k, 0.0) for x in read) for k in stages},
-                    {k: mean(v) for k, v in sorted(own.items())}, mean(x.in_actions for x in read))
-
-
-def _compare(before: list[_Reading], after: list[_Reading], notes: list[str], unknown: set[str]) -> Slowdown:
-    """Rounds paired in order: each side's mean over its rounds, and the spread of one round's change."""
+def _compare(before: list[_Reading], after: list[_Reading], notes: list[str], unknown: set[str],
+             units: list[tuple[_Reading, _Reading]], unit: str, baseline: Quiet | None) -> Slowdown:
+    """Each side's mean over its rounds, and each unit's change (rounds, or steps paired in order)."""
     def pair(get) -> Pair:
         return mean(get(x) for x in before), mean(get(x) for x in after)
 
     stages = sorted({k for x in before + after for k in x.by_stage})
     kinds = sorted({k for x in before + after for k in x.per_action})
     causes = {c: (None, None) if c in unknown else pair(lambda x, c=c: x.causes[c]) for c in CAUSES}
-    spread = {}
-    if len(before) > 1:
-        for name in ("step", *(c for c in CAUSES if c not in unknown)):
-            get = (lambda x: x.step) if name == "step" else (lambda x, c=name: x.causes[c])
-            changes = [get(a) - get(b) for b, a in zip(before, after)]
-            spread[name] = (min(changes), max(changes))
+    changes = {"step": [a.step - b.step for b, a in units]}
+    changes.update({c: [a.causes[c] - b.causes[c] for b, a in units] for c in CAUSES if c not in unknown})
+    if "machine" not in unknown:
+        changes["excess"] = [_excess(b.step, a.step, (b.causes["machine"], a.causes["machine"]),
+                                     (b.in_actions, a.in_actions), (b.causes["compute"], a.causes["compute"]))
+                             for b, a in units]
+    stage_changes = {k: [a.by_stage.get(k, 0.0) - b.by_stage.get(k, 0.0) for b, a in units] for k in stages}
+    action_changes = {k: [a.per_action[k] - b.per_action[k] for b, a in units
+                          if k in a.per_action and k in b.per_action] for k in kinds}
+    spread = {name: (min(xs), max(xs)) for name, xs in changes.items() if name != "excess"} if len(units) > 1 else {}
     return Slowdown(*pair(lambda x: x.step), causes,
                     {k: pair(lambda x, k=k: x.by_stage.get(k, 0.0)) for k in stages},
                     {k: tuple(mean([x.per_action[k] for x in side if k in x.per_action] or [0.0])
                               for side in (before, after)) for k in kinds},  # over the rounds that ran it
                     spread, len(before), notes,
-                    (None, None) if "machine" in unknown else pair(lambda x: x.in_actions))
+                    (None, None) if "machine" in unknown else pair(lambda x: x.in_actions),
+                    changes, stage_changes, action_changes, unit, baseline)
