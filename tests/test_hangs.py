@@ -5,7 +5,9 @@ Pure tests first (synthetic PP logs in the kit's format, synthetic stacks): `lab
 (each rank's step, action, microbatch and peer; the cause), `labkit.schedules.deadlock` (an order that
 cannot finish refused from the plan alone, with its wait cycle). Then the three hangs of the issue's table
 launched for real (`launches`): a rank that never reaches schedule.step, ranks that ran different numbers
-of steps, ranks whose schedules run different microbatch counts ("Connection closed by peer").
+of steps, ranks whose schedules run different microbatch counts ("Connection closed by peer"); and on live
+ranks (labkit.Ranks, the suite's warm pool): a cell past its deadline, a rank stranded, a rank that failed
+while its peer blocks, each said in pipeline terms in the RanksError.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from labkit.schedules.deadlock import find_deadlock, refuse_deadlock
 from labkit.schedules.orders import ScheduleError
 from labkit.timeline.logged_steps import read_rank_log
 from labkit.timeline.stuck import RankEnd, explain
+
+from conftest import module_pool
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pplogs" / "2.15.0"
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/"
@@ -258,6 +262,75 @@ def test_group_ranks_are_named_by_their_global_rank():
     assert "from stage 0 (rank 1)" in stuck.ranks[3].sentence()
 
 
+def test_a_wait_posted_before_the_log_names_a_stage_still_names_the_peer():
+    """torch 2.11's first step opens with an exchange of both ranks (a `batch_p2p` with no direction) and
+    waits in `_wait_batch_p2p`: rank 0 waits in step 1 for rank 1, with no action to name."""
+    log0 = Log("ScheduleGPipe").p2p("", ("isend", 0, 1), ("irecv", 1, 0))
+    ends = {0: stalled(in_step("_wait_batch_p2p")), 1: stalled([("/home/me/hang.py", 26, "load_next_batch")])}
+    stuck = explain({0: log0.read(0), 1: Log("ScheduleGPipe").read(1)}, ends)
+    s0 = stuck.ranks[0]
+    assert (s0.doing, s0.step, s0.action_words()) == ("wait", 1, "")
+    assert {t.peer_rank for t in s0.waits} == {1} and "B(stage None" not in s0.sentence()
+    assert stuck.causes[0].startswith("rank 1 is outside the schedule while rank 0 waits for it in step 1: rank 1 "
+                                      "never reached schedule.step")
+
+
+# ---------------------------------------------------------------------------------------------
+# a live pool's cell (labkit.Ranks): the cell's own logs, ranks that finished it or were not sent it
+
+
+def test_a_cell_counts_steps_from_its_start_and_names_the_rank_that_finished_it():
+    """Rank 1 stepped once and finished the cell; rank 0 waits in its second step. A rank that logged no
+    line in the cell ran no step in it (every rank of a pool logs its pipelining lines)."""
+    log0 = stage0_1f1b_step(Log(), 2).f(0, 0).p2p("fwd_send", ("isend", 0, 1))
+    ends = {0: stalled(in_step("_wait_batch_p2p", "_wait_and_release_fwd_send", user=("<cell 7>", 3, "<module>"))),
+            1: RankEnd("finished")}
+    stuck = explain({0: log0.read(0), 1: stage1_1f1b_step(Log(), 2).read(1)}, ends, cell=7)
+    assert stuck.text().splitlines()[0] == "In pipeline terms (steps counted from the start of cell 7):"
+    assert stuck.ranks[1].sentence() == "rank 1 finished the cell after step 1 (2 microbatches per step)"
+    assert stuck.causes[0].startswith("rank 1 finished the cell after step 1 while rank 0 waits for it in step 2.")
+    silent = explain({}, {0: stalled(in_step("_initialize_pipeline_distributed_state")),
+                          1: stalled([("<cell 7>", 2, "<module>")]), 2: RankEnd("idle")}, cell=7)
+    assert silent.ranks[0].sentence().startswith("rank 0 waits in step 1 in the schedule's set-up")
+    assert silent.ranks[1].sentence() == "rank 1 is outside the schedule: it never entered schedule.step and is in cell 7, line 2"
+    assert silent.ranks[2].sentence() == "rank 2 was not sent the cell (exec(..., ranks=...) left it out)"
+    assert silent.unknown == []  # no "TORCH_LOGS=+pp off": a pool's ranks always log
+
+
+def test_a_slow_cell_is_not_called_hung_and_leaves_the_deadline_hint_to_the_pool():
+    ends = {0: stalled([("/home/me/model.py", 40, "forward")] + in_step("forward_one_chunk"))}
+    stuck = explain({0: stage0_1f1b_step(Log(), 2).read(0)}, ends, cell=3)
+    assert not stuck.hung and stuck.causes[0].endswith("a long step is not a hang.")
+    assert "stall=" not in stuck.text()  # the pool's own line says exec(..., timeout=S) or %%ranks --timeout S
+
+
+def test_the_pools_stacks_and_tracebacks_are_read_as_rank_ends():
+    """`labkit.ranks.failure.cell_ends`: a stack the rank sent (oldest first), a faulthandler dump (innermost
+    first), a traceback; the learner's frame is the cell's line, not the kit's nor torch's."""
+    from types import SimpleNamespace
+
+    from labkit.ranks.failure import cell_ends
+
+    KIT = Path(cell_ends.__code__.co_filename).parent.parent  # labkit/: the kit's frames are not the learner's
+
+    sent = ('  File "<cell 4>", line 3, in <module>\n    schedule.step(x)\n'
+            f'  File "{KIT}/spans/record.py", line 307, in wrapper\n    return inner(self)\n'
+            f'  File "{SCHED}", line 1190, in step\n    self._step_microbatches(\n'
+            f'  File "{SCHED}", line 958, in _wait_batch_p2p\n    w.wait()\n')
+    dump = ("(from faulthandler: the rank could not answer, e.g. C code holding the GIL)\n"
+            "Current thread 0x00007f (most recent call first):\n"
+            '  File "/home/me/data.py", line 9 in load\n  File "<cell 4>", line 2 in <module>')
+    tb = ('Traceback (most recent call last):\n  File "<cell 4>", line 5, in <module>\n    1 / 0\n'
+          "ZeroDivisionError: division by zero\n")
+    cell = SimpleNamespace(failures={2: {"error": tb}}, dead=[], results={3: None}, targets=[0, 1, 2, 3])
+    ends = cell_ends(cell, {0: sent, 1: dump}, 5)
+    assert ends[0].how == "stalled" and ends[0].frames[0][2] == "_wait_batch_p2p" and ends[0].user == ("<cell 4>", 3, "<module>")
+    assert ends[1].frames[0] == ("/home/me/data.py", 9, "load") and ends[1].user == ("/home/me/data.py", 9, "load")
+    assert (ends[2].how, ends[2].error, ends[2].user) == ("raised", "ZeroDivisionError: division by zero",
+                                                          ("<cell 4>", 5, "<module>"))
+    assert (ends[3].how, ends[4].how) == ("finished", "idle")
+
+
 def test_traceback_frames_are_read_innermost_first():
     from labkit.launching.diagnose import traceback_frames
 
@@ -462,6 +535,77 @@ def test_launched_ranks_whose_microbatch_counts_differ(tmp_path, runs):
             "waited in step 1 to receive microbatch 4's activation from stage 0 (rank 0)") in msg
     assert ("Cause: the ranks' schedules differ: rank 1 waited for microbatch 4's activation from rank 0, whose "
             "schedule runs 4 microbatches per step (0-3)") in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# the same reading on live ranks (labkit.Ranks): a cell that hangs, or leaves a rank blocked, is said in
+# pipeline terms in the RanksError, from that cell's own PP logs and the stacks the pool took
+
+pool = module_pool(2)
+
+_CELL_BUILD = textwrap.dedent("""
+    import time
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stage = PipelineStage(full[rank], rank, world_size, device)
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    def step():
+        schedule.step(torch.randn(8, 4)) if rank == 0 else schedule.step(target=torch.randn(8, 4))
+    def load_next_batch():
+        raise ValueError("no batch")
+""")
+
+
+def _cell_error(pool, code: str, **kw):
+    from labkit.ranks import RanksError
+
+    with pytest.raises(RanksError) as e:
+        pool.exec(_CELL_BUILD + code, **kw)
+    print(e.value)  # what a learner reads (pytest -s shows it)
+    return str(e.value), e.value
+
+
+@pytest.mark.launches
+def test_live_ranks_where_one_rank_steps_once_and_the_other_twice(pool):
+    """Rank 1 ends the cell after one step while rank 0 waits in its second: stranded, said in pipeline terms,
+    released (no restart)."""
+    msg, e = _cell_error(pool, "for _ in range(2 if rank == 0 else 1):\n    step()")
+    n = e.cell
+    assert f"In pipeline terms (steps counted from the start of cell {n}):" in msg
+    assert "  rank 0 waits in step 2" in msg and "(rank 1)" in msg.split("  rank 0 waits in step 2")[1].splitlines()[0]
+    assert "  rank 1 finished the cell after step 1 (4 microbatches per step)" in msg
+    assert "Cause: rank 1 finished the cell after step 1 while rank 0 waits for it in step 2." in msg
+    assert not e.restarted and "The pool released rank 0" in msg
+
+
+@pytest.mark.launches
+def test_live_ranks_where_a_rank_fails_before_the_step_while_its_peer_blocks(pool):
+    msg, e = _cell_error(pool, "if rank == 1:\n    load_next_batch()\nstep()")
+    n = e.cell
+    assert "Rank 0 did not finish within 3 s after rank 1 failed" in msg  # the pool's own words, kept
+    assert "  rank 0 waits in step 1" in msg
+    assert (f"  rank 1 is outside the schedule: it never entered schedule.step and is in load_next_batch (cell {n}, "
+            f"line 12); it failed with ValueError: no batch") in msg
+    assert "Cause: rank 1 is outside the schedule while rank 0 waits for it in step 1" in msg
+    assert not e.restarted
+
+
+@pytest.mark.launches
+def test_live_ranks_where_rank_1_skips_the_step_and_the_cell_times_out(pool):
+    """The issue's first hang on live ranks: rank 1 never reaches schedule.step (here it sleeps), the cell's
+    deadline passes; rank 1 is not in torch.distributed, so the pool restarts, as before."""
+    msg, e = _cell_error(pool, "if rank == 1:\n    time.sleep(600)\nstep()", timeout=3)
+    n = e.cell
+    assert f"Cell {n} did not finish within its 3 s deadline on ranks 0, 1" in msg
+    assert f"In pipeline terms (steps counted from the start of cell {n}):" in msg
+    assert "  rank 0 waits in step 1" in msg
+    assert f"  rank 1 is outside the schedule: it never entered schedule.step and is in cell {n}, line 14" in msg
+    assert (f"Cause: rank 1 is outside the schedule while rank 0 waits for it in step 1: rank 1 never reached "
+            f"schedule.step and is in cell {n}, line 14.") in msg
+    assert msg.index("Where each rank was:") < msg.index("In pipeline terms") < msg.index("--timeout")
+    assert e.restarted and pool.exec("rank") == {0: 0, 1: 1}
 
 
 # ---------------------------------------------------------------------------------------------

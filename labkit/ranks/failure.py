@@ -1,8 +1,14 @@
-"""How a cell's failure is told: `RanksError` (what failed, on which rank, what was kept) and the
-hints read off the failed ranks' schedules (a wrong stage_index, different n_microbatches). Used by
-the pool (`labkit.ranks.pool`)."""
+"""How a cell's failure is told: `RanksError` (what failed, on which rank, what was kept), the
+hints read off the failed ranks' schedules (a wrong stage_index, different n_microbatches), and, for a
+cell that hung or left ranks blocked, where each rank was in pipeline terms (`pipeline_terms`: the step,
+the action, the microbatch, the peer; the cause; `labkit.timeline.stuck`). Used by the pool
+(`labkit.ranks.pool`); taught in notebook 09."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+_KIT = str(Path(__file__).resolve().parent.parent)  # labkit/: the rank runner's and the kit's own frames
 
 
 class RanksError(RuntimeError):
@@ -58,3 +64,48 @@ def _pipeline_hint(facts: dict) -> str | None:
 def _names(ranks) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def cell_ends(cell, stacks: dict, nproc: int) -> dict:
+    """{rank: `labkit.timeline.stuck.RankEnd`}: how each rank of the pool left a cell that hung or failed.
+    `stacks` {rank: the stack the pool took of a rank still in the cell (`rank.main_stack`, or a
+    faulthandler dump)}; a rank whose cell raised: its traceback (a KeyboardInterrupt's says where it was
+    stopped); one that ended the cell, "finished"; one not sent it, "idle"; one whose process ended, "exited"."""
+    from ..launching.diagnose import _CONSEQUENCE, _library_frame, parse_frames, traceback_frames
+    from ..timeline.stuck import RankEnd
+
+    def user(frames):  # the learner's frame: a cell's line or their own file, not torch's nor the kit's
+        return next((f for f in frames if not _library_frame(f[0]) and not str(f[0]).startswith(_KIT)), None)
+
+    ends = {}
+    for r in range(nproc):
+        if r in stacks:
+            text = stacks[r] or ""
+            frames = (parse_frames(text)  # a faulthandler dump: innermost first, `line 3 in f`
+                      or traceback_frames("Traceback (most recent call last):\n" + text)[0])
+            ends[r] = RankEnd("stalled", frames, user(frames))
+        elif r in cell.failures:
+            msg = cell.failures[r]
+            frames, error = traceback_frames(msg.get("error", ""))
+            ends[r] = (RankEnd("stalled", frames, user(frames)) if msg.get("interrupted") else
+                       RankEnd("raised", frames, user(frames), error, bool(_CONSEQUENCE.search(error))))
+        elif r in cell.dead:
+            ends[r] = RankEnd("exited")
+        elif r in cell.results:
+            ends[r] = RankEnd("finished")
+        elif r not in cell.targets:
+            ends[r] = RankEnd("idle")
+    return ends
+
+
+def pipeline_terms(cell_dir, cell, stacks: dict, nproc: int) -> list[str]:
+    """Where each rank was in the cell, in pipeline terms (`labkit.timeline.stuck.where_stuck_in_cell`, from
+    the cell's own PP logs and `cell_ends`), as lines of the error; none when no rank pipelined in the cell,
+    and a line saying why when it cannot be read: the explanation never hides the error itself."""
+    from ..timeline.stuck import where_stuck_in_cell
+
+    try:
+        stuck = where_stuck_in_cell(cell_dir, cell_ends(cell, stacks, nproc))
+    except Exception as e:  # noqa: BLE001 - the cell's error must still be raised
+        return [f"(labkit could not say where the ranks were in pipeline terms: {type(e).__name__}: {e})"]
+    return [stuck.text()] if stuck.pipelined else []

@@ -11,12 +11,13 @@ and every other rank keeps its namespace. Ranks left blocked by that failure (a 
 collective waiting for the failed rank, no answer within `PEER_GRACE_S`), or stranded (still
 waiting there `STRANDED_S` after every other rank left the cell: a step() run on some ranks
 only), or past the cell's deadline while waiting there: the error shows where each rank was (its
-Python stack), and on gloo the pool releases them (every rank ends its connections of the process
-group, the waits fail, every rank joins a new group): namespaces are kept. A rank that died, a
-hang in Python or C code, or a release that fails: the pool restarts, namespaces are lost, and
-the message says so. Jupyter's Stop (KeyboardInterrupt)
-sends SIGINT to the ranks; KeyboardInterrupt is raised again once they stopped (or the pool was
-restarted because some would not). Every cell's code and per-rank PP logs are kept under
+Python stack, then in pipeline terms: step, action, microbatch, peer, cause), and on gloo the pool
+releases them (every rank ends its connections of the process group, the waits fail, every rank
+joins a new group): namespaces are kept. A rank that died, a hang in Python or C code, or a
+release that fails: the pool restarts, namespaces are lost, and the message says so. Jupyter's
+Stop (KeyboardInterrupt) sends SIGINT to the ranks; KeyboardInterrupt is raised again once they
+stopped (or the pool was restarted because some would not: their stacks and where they were in
+pipeline terms are printed). Every cell's code and per-rank PP logs are kept under
 `<run dir>/cells/<NNN>/`. Taught in notebook 01 (live ranks); notebook 00 introduces it.
 """
 
@@ -35,7 +36,7 @@ from ..launching.command import preflight_device
 from ..launching.rundir import new_run_dir
 from . import channel
 from .cell import Cell
-from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint
+from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint, pipeline_terms
 from .job import Job, StartError
 from .output import CellOutput
 from .readings import CellReadings
@@ -257,6 +258,7 @@ class Ranks(CellReadings):
                     parts.append(f"Cell {n} did not finish within its {limit:g} s deadline on {_names(blocked)}. "
                                  f"Where each rank was:")
                 parts += [f"  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(blocked.items())]
+                parts += pipeline_terms(self.cell_dir(n), cell, blocked, self.nproc)  # step, action, peer; cause
                 if not cell.failed() and not getattr(cell, "stranded", False):
                     parts.append("If the cell is just slow, raise the deadline: exec(..., timeout=S) "
                                  "or %%ranks --timeout S.")
@@ -338,6 +340,7 @@ class Ranks(CellReadings):
             stuck = sorted(cell.busy | set(cell.dead))
             stacks = self._stacks(cell, cell.busy) if cell.busy else {}
             where = "".join(f"\n  rank {r}:\n{_indent(s, '      ')}" for r, s in sorted(stacks.items()))
+            where += "".join("\n" + t for t in pipeline_terms(self.cell_dir(cell.n), cell, stacks, self.nproc))
             try:
                 self.restart()
                 after = "the pool was restarted: every rank's namespace was lost. Run your set-up cells again."

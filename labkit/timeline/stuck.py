@@ -11,21 +11,23 @@ they are written when a step ends), how each rank ended as the launcher saw it (
 of its faulthandler dump or of its traceback, parsed by `labkit.launching.diagnose`), and, where they
 exist, its spans files (the steps it finished where the PP logs are off; which ranks form its
 pipeline, to name a peer by its global rank). A rank that was computing is not called stuck: a job
-stopped by `stall=` while every rank computed is said to be slow. Used by `LaunchError`, `Run.where_stuck()`
-and `labkit timeline RUN_DIR`; taught in notebook 09.
+stopped by `stall=` while every rank computed is said to be slow. Used by `LaunchError`, `Run.where_stuck()`,
+`labkit timeline RUN_DIR` and a live pool's `RanksError` (a cell's own logs: `where_stuck_in_cell`); taught in
+notebook 09.
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.timeline.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .logged_steps import LoggedStep, RankLog, Transfer, read_rank_log
 from .stuck_causes import causes
 
-__all__ = ["RankEnd", "RankState", "Stuck", "explain", "where_stuck"]
+__all__ = ["RankEnd", "RankState", "Stuck", "explain", "where_stuck", "where_stuck_in_cell"]
 
 _PIPELINING = "torch/distributed/pipelining/"
 _STEP_FUNCS = {"step", "eval", "_step_microbatches"}
@@ -33,6 +35,7 @@ _SETUP = {"_initialize_pipeline_distributed_state", "_initialize_stage", "_initi
           "_prepare_forward_infra", "_prepare_backward_infra", "_shape_inference", "_backward_metadata_inference",
           "_forward_metadata_inference"}
 _COMPUTE = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+_CELL = re.compile(r"<cell (\d+)>$")
 
 
 @dataclass
@@ -42,7 +45,8 @@ class RankEnd:
     how: str = "unknown"
     """"stalled": its stack was dumped while it ran (stall, deadline); "raised": it died of an exception
     (a traceback in its log); "exited": it ended without one; "stopped": stopped with the job, no stack
-    dumped (an interrupt); "unknown"."""
+    dumped (an interrupt); a live pool's cell (labkit.Ranks) adds "finished": the rank ended the cell, and
+    "idle": it was not sent the cell; "unknown"."""
     frames: list = field(default_factory=list)
     """(file, line, function) of its stack, innermost first."""
     user: tuple | None = None
@@ -62,7 +66,8 @@ class RankState:
     """As `RankEnd.how`."""
     doing: str
     """"wait" (for a transfer), "setup" (the first step's collective), "compute", "schedule" (elsewhere
-    in schedule.step), "outside" (not in schedule.step), "exited", "stopped" (no stack: its log only), "unknown"."""
+    in schedule.step), "outside" (not in schedule.step), "exited", "stopped" (no stack: its log only), "finished"
+    and "idle" (a pool's cell: it ended the cell, it was not sent it), "unknown"."""
     step: int | None = None
     """In the schedule: the step it is in (1 = its first call of schedule.step); else the steps it finished."""
     action: tuple | None = None
@@ -93,11 +98,15 @@ class RankState:
         if not self.where:
             return "an unknown place"
         f, line, fn = self.where
+        cell = _CELL.match(str(f))  # a live pool's cell (labkit.Ranks): `<cell 5>`
+        if cell:
+            at = f"cell {cell.group(1)}, line {line}"
+            return at if fn == "<module>" else f"{fn} ({at})"
         return f"{fn} ({Path(f).name}:{line})"
 
     def action_words(self) -> str:
-        if not self.action or self.action[0] is None:
-            return ""
+        if not self.action or self.action[0] is None or self.action[1] is None:
+            return ""  # nothing to name: a wait before the log said which stage this rank holds (torch 2.11's set-up)
         k, s, mb = self.action
         return f"{k}(stage {s}, mb {mb})" if mb is not None else f"{k}(stage {s})"
 
@@ -112,8 +121,8 @@ class RankState:
                     + (" and ".join(t.words() for t in waits) if waits else "for a transfer the log does not name"))
         elif self.doing == "setup":
             text = (f"failed in {step} in the schedule's set-up ({self.inner})" if raised else
-                    f"waits in {step} in the schedule's set-up ({self.inner}): a collective every rank of the "
-                    "pipeline joins in its first step")
+                    f"waits in {step} in the schedule's set-up ({self.inner}): an exchange every rank of "
+                    "the pipeline joins in its first step")
         elif self.doing == "compute":
             text = (f"failed in {step} computing {act or 'an action'}" if raised else
                     f"computes {act or 'an action'} in {step}: it was working, not waiting")
@@ -126,6 +135,11 @@ class RankState:
         elif self.doing == "stopped":
             text = (f"was stopped with the job (no stack dumped); its log ends in {step}"
                     + (f" after its {act}" if act else ""))
+        elif self.doing == "finished":
+            text = ("finished the cell without entering schedule.step" if not self.step else
+                    f"finished the cell after step {self.step}{self._per_step()}")
+        elif self.doing == "idle":
+            text = "was not sent the cell (exec(..., ranks=...) left it out)"
         elif self.doing == "exited":
             code = f" (exit code {self.exitcode})" if self.exitcode is not None else ""
             text = f"had ended{code}" + (f" after step {self.step}" if self.step else "") + self._per_step()
@@ -152,6 +166,8 @@ class Stuck:
     pipelined: bool = True
     """Some rank logged pipelining lines, was in torch's schedule, or left spans: False for a job that
     never pipelined (then nothing here is said in pipeline terms)."""
+    cell: int | None = None
+    """A live pool's cell (labkit.Ranks) this reading is of: its steps are counted from the cell's start."""
 
     @property
     def hung(self) -> bool:
@@ -159,7 +175,9 @@ class Stuck:
         return any(s.doing in ("wait", "setup") for s in self.ranks.values())
 
     def text(self) -> str:
-        lines = ["In pipeline terms:"] + [f"  {s.sentence()}" for _, s in sorted(self.ranks.items())]
+        head = f"In pipeline terms (steps counted from the start of cell {self.cell}):" if self.cell else \
+            "In pipeline terms:"
+        lines = [head] + [f"  {s.sentence()}" for _, s in sorted(self.ranks.items())]
         lines += [f"Cause: {c}" for c in self.causes]
         lines += [f"Could not tell: {u}" for u in self.unknown]
         return "\n".join(lines)
@@ -238,9 +256,11 @@ def _action(step: LoggedStep | None, doing: str, func: str, waits: list, stage: 
     return None
 
 
-def _step_number(log: RankLog, doing: str, how: str, spans_done: int | None) -> tuple[int | None, str]:
-    """(step, where it comes from): in the schedule the step it is in (1-based), else the steps it finished."""
-    if log.events:
+def _step_number(log: RankLog, doing: str, how: str, spans_done: int | None,
+                 logged: bool = False) -> tuple[int | None, str]:
+    """(step, where it comes from): in the schedule the step it is in (1-based), else the steps it finished.
+    `logged`: the rank's pipelining log was on, so a rank that wrote no line has finished no step."""
+    if log.events or (logged and spans_done is None):
         n = len(log.steps)
         if doing == "setup":
             return 1, "logs"
@@ -257,13 +277,13 @@ def _step_number(log: RankLog, doing: str, how: str, spans_done: int | None) -> 
 
 
 def rank_state(rank: int, log: RankLog, end: RankEnd, placement: dict, spans_done: int | None = None,
-               pipeline: list | None = None) -> RankState:
-    """Where one rank was: its PP log read against how it ended."""
+               pipeline: list | None = None, logged: bool = False) -> RankState:
+    """Where one rank was: its PP log read against how it ended (`logged`: its PP log was on)."""
     doing, func, caller, inner = _position(end.frames) if end.frames else (
-        end.how if end.how in ("exited", "stopped") else "unknown", "", "", "")
+        end.how if end.how in ("exited", "stopped", "finished", "idle") else "unknown", "", "", "")
     step = log.step
     stage = min(log.stages) if len(log.stages) == 1 else None
-    number, source = _step_number(log, doing, end.how, spans_done)
+    number, source = _step_number(log, doing, end.how, spans_done, logged)
     if source == "logs" and number is not None and number > len(log.steps):
         step = None  # a step that has logged nothing yet: its first action
     waits = _waits(step, caller, placement) if doing == "wait" else []
@@ -276,26 +296,31 @@ def rank_state(rank: int, log: RankLog, end: RankEnd, placement: dict, spans_don
                      tuple(sorted(log.stages)), source, end.echo)
 
 
-def explain(logs: dict, ends: dict, spans_done: dict | None = None, pipelines: dict | None = None) -> Stuck:
+def explain(logs: dict, ends: dict, spans_done: dict | None = None, pipelines: dict | None = None,
+            cell: int | None = None) -> Stuck:
     """Where each rank was and why: `logs` {rank: RankLog}, `ends` {rank: RankEnd}; `spans_done` {rank:
-    steps its spans file holds} and `pipelines` {rank: the global ranks of its pipeline}, where known."""
+    steps its spans file holds} and `pipelines` {rank: the global ranks of its pipeline}, where known.
+    `cell`: a live pool's cell (labkit.Ranks), whose every rank logged its pipelining lines from the cell's start
+    (a rank that wrote none ran no step in it)."""
     spans_done, pipelines = spans_done or {}, pipelines or {}
     placement = {}
     for r, log in logs.items():
         for s in log.stages:
             placement.setdefault(s, r)
     states = {r: rank_state(r, logs.get(r, RankLog()), ends.get(r, RankEnd()), placement, spans_done.get(r),
-                            pipelines.get(r)) for r in sorted(set(logs) | set(ends))}
-    stuck = Stuck(states)
-    stuck.causes, stuck.unknown = causes(states, logs)
+                            pipelines.get(r), cell is not None) for r in sorted(set(logs) | set(ends))}
+    stuck = Stuck(states, cell=cell)
+    stuck.causes, stuck.unknown = causes(states, logs, cell)
     stuck.pipelined = (any(log.events for log in logs.values()) or any(s.in_schedule for s in states.values())
                        or any(spans_done.values()))
     return stuck
 
 
-def where_stuck(run_dir, ends: dict) -> Stuck:
+def where_stuck(run_dir, ends: dict, cell: int | None = None) -> Stuck:
     """`explain` for a run directory: its ranks' PP logs and spans read there; `ends` {rank: RankEnd}
-    (`labkit.launching.diagnose.rank_ends` reads them from the same directory)."""
+    (`labkit.launching.diagnose.rank_ends` reads them from the same directory). A live pool's cell
+    directory (`cells/NNN/`: rank<r>.log and spans/ of that cell alone) with its number as `cell`
+    (`where_stuck_in_cell`)."""
     from ..logs.files import log_files, parse_files, rank_from_path
 
     logs = {}
@@ -304,7 +329,14 @@ def where_stuck(run_dir, ends: dict) -> Stuck:
         if r is not None:
             logs[r] = read_rank_log(parse_files([f]))
     spans_done, pipelines = _spans_facts(run_dir)
-    return explain(logs, ends, spans_done, pipelines)
+    return explain(logs, ends, spans_done, pipelines, cell)
+
+
+def where_stuck_in_cell(cell_dir, ends: dict) -> Stuck:
+    """Where a live pool's ranks were in a cell that hung or failed (labkit.Ranks; `labkit.ranks.failure`
+    says how each rank left it as `RankEnd`s: the stacks the pool took, the tracebacks of ranks that raised,
+    "finished", "idle"), read with the cell's own PP logs and spans (`cells/NNN/`)."""
+    return where_stuck(cell_dir, ends, int(Path(cell_dir).name))
 
 
 def _spans_facts(run_dir) -> tuple[dict, dict]:

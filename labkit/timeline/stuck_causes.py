@@ -1,5 +1,6 @@
 """Why a run's ranks stopped where they did (`causes`), from where each one was (`labkit.timeline.stuck`'s
-`RankState`s): a rank outside the schedule that another waits for, ranks in different steps,
+`RankState`s): a rank outside the schedule that another waits for (or, in a live pool's cell, a rank that
+finished the cell or was not sent it), ranks in different steps,
 schedules that differ across ranks (class, microbatch count, stages), a wait cycle, a peer that left
 first, or no wait at all (slow work is not a hang). Each cause is a sentence that says what to change;
 what the kit could not tell is said too. Taught in notebook 09.
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
 __all__ = ["causes"]
 
 
-def causes(states: dict[int, "RankState"], logs: dict[int, "RankLog"]) -> tuple[list[str], list[str]]:
-    """(causes, what could not be told), each a list of sentences."""
-    found = (_outside(states) + _left_first(states) + _different_steps(states) + _schedules_differ(states, logs)
-             + _cycle(states))
+def causes(states: dict[int, "RankState"], logs: dict[int, "RankLog"],
+           cell: int | None = None) -> tuple[list[str], list[str]]:
+    """(causes, what could not be told), each a list of sentences. `cell`: a live pool's cell (labkit.Ranks)."""
+    found = (_outside(states) + _left_cell(states) + _left_first(states) + _different_steps(states)
+             + _schedules_differ(states, logs) + _cycle(states))
     if not found:
-        found = _not_waiting(states)
+        found = _not_waiting(states, "" if cell is not None else  # a pool's error says how to raise a cell's deadline
+                             " If the job is just slow, raise stall= (--stall) or timeout= (--timeout).")
     return found, _unknown(states, logs)
 
 
@@ -50,6 +53,23 @@ def _outside(states: dict) -> list[str]:
         out.append(f"rank {r} is outside the schedule while rank {w.rank} waits for it in step {w.step}: rank {r} "
                    f"{done} and is in {s.frame()}. Every rank of a pipeline calls schedule.step, the same number "
                    f"of times: find why rank {r} does not (a data loader, an evaluation, a condition on the rank).")
+    return out
+
+
+def _left_cell(states: dict) -> list[str]:
+    """A live pool's cell: a rank that finished it (or was not sent it) while another waits for it there."""
+    out = []
+    for r, s in sorted(states.items()):
+        waiters = [w for w in states.values() if s.doing in ("finished", "idle") and r in _waited_on(w, states)]
+        if not waiters:
+            continue
+        w = waiters[0]
+        did = ("was not sent the cell" if s.doing == "idle" else
+               "finished the cell without calling schedule.step" if not s.step else
+               f"finished the cell after step {s.step}")
+        out.append(f"rank {r} {did} while rank {w.rank} waits for it in step {w.step}. Every rank of a pipeline "
+                   f"calls schedule.step in the same cell, the same number of times: find why rank {r} does not "
+                   "(a condition on the rank, a cell run with ranks=).")
     return out
 
 
@@ -146,7 +166,8 @@ def _left_first(states: dict) -> list[str]:
         if not ((v.how == "raised" and v.echo) or (v.how == "stalled" and v.doing == "wait")):
             continue
         peers = {t.peer_rank for t in v.waits}
-        left = [g for g in gone if g.rank in peers] or ([] if v.how == "stalled" else gone)
+        # a peer outside the schedule that `v` waits for is said by `_outside` already
+        left = [g for g in gone if g.rank in peers and g.doing != "outside"] or ([] if v.how == "stalled" else gone)
         if not left:
             continue
         first = min(left, key=lambda s: (s.last_time is None, s.last_time or 0.0, s.rank))
@@ -158,25 +179,26 @@ def _left_first(states: dict) -> list[str]:
             if first.step else ""
         per = f" ({first.microbatches} microbatches per step)" if first.microbatches else ""
         verb = "waited" if v.how == "raised" else "waits"
+        look = (f"Rank {v.rank}'s error only echoes that: look at rank {first.rank}." if v.how == "raised" else
+                f"Look at rank {first.rank}.")
         out.append(f"rank {first.rank} left first: it {ended}{after}{per}, while rank {v.rank} {verb} in step "
-                   f"{v.step} {waited}. Rank {v.rank}'s error only echoes that: look at rank {first.rank}.")
+                   f"{v.step} {waited}. {look}")
     return out
 
 
-def _not_waiting(states: dict) -> list[str]:
+def _not_waiting(states: dict, slow: str) -> list[str]:
     busy = [s for s in states.values() if s.doing == "compute"]
     if not busy or any(s.doing in ("wait", "setup") for s in states.values()):
         return []
     who = ", ".join(f"rank {s.rank} computes {s.action_words() or 'an action'}" for s in busy)
-    return [f"no rank was waiting for another ({who}): a long step is not a hang. If the job is just slow, "
-            "raise stall= (--stall) or timeout= (--timeout)."]
+    return [f"no rank was waiting for another ({who}): a long step is not a hang.{slow}"]
 
 
 def _unknown(states: dict, logs: dict) -> list[str]:
     out = []
     for r, s in sorted(states.items()):
         log = logs.get(r)
-        if (log is None or not log.events) and s.doing not in ("exited", "unknown"):
+        if (log is None or not log.events) and s.doing not in ("exited", "unknown") and s.steps_from != "logs":
             step = "its steps come from its spans" if s.steps_from == "spans" else "its step is unknown"
             out.append(f"rank {r} wrote no pipelining log line (TORCH_LOGS=+pp off, or it built no schedule): "
                        f"{step}, and so are the action and microbatch it is in.")
