@@ -61,7 +61,7 @@ SCALE_SETUP = textwrap.dedent("""
         check, check_cost = measured(lambda: labkit.worker.check_stages(slices, [stage], x, y, losses, microbatches,
                                                                         hf.loss_fn, kwargs=kw))
         from labkit.worker.fits import too_large
-        refused = too_large(hf.build_hf("llama", pre, device="meta"), device)
+        refused = too_large(hf.build_hf("llama", pre, device="meta").to(getattr(torch, dtype)), device)
         held = sum(p.numel() for p in module.parameters())
         return {"whole_params": whole, "stage_params": held, "ok": check.ok, "compared": check.compared,
                 "expected": check.expected, "step": step_cost, "check_stages": check_cost,
