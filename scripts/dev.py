@@ -3,10 +3,12 @@
 
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
-                                      # the reference runs, log parser and notebooks again on torch 2.11
+                                      # the reference runs, log parser and notebooks again on torch 2.11,
+                                      # then what asks labkit.versions' release table on a middle release
     python3 scripts/dev.py test --quick        # the inner loop: the tests that start no job, pool or kernel
-    python3 scripts/dev.py test --under-load   # both set-ups, then the same beside one busy process per core
-    python3 scripts/dev.py test --legs-beside  # the torch 2.11 leg beside the first, not after it
+    python3 scripts/dev.py test --under-load   # every set-up, then the same beside one busy process per core
+    python3 scripts/dev.py test --legs-beside  # the later legs beside the first, not after it
+    python3 scripts/dev.py test --no-middle    # without leg 3 (a middle release; PPLAB_MIDDLE_TORCH=2.12 picks one)
     python3 scripts/dev.py handouts   # HTML (and PDF, with chromium) handouts of the executed notebooks
     python3 scripts/dev.py bench      # benchmarks of the kit: bench/results.json and bench/RESULTS.md
     python3 scripts/dev.py setup      # only the set-up
@@ -18,8 +20,10 @@ Environment: `requirements/lab-torch2.15.txt`, a lock of every package at versio
 a CUDA build there first on GPU nodes); PPLAB_TORCH="torch==X ..." chooses another; when pip's own
 configuration caps torch below the lock, the newest supported torch it allows is installed and that
 is said in one line. `test` then builds .venv-torch2.11 from `requirements/lab-torch2.11.txt` for the
-other end of the range (`test --one-torch` skips that leg). Any failing set-up step ends with one
-message (step, command, fix) and exit code 3.
+other end of the range, and .venv-torch2.1X for one middle release (2.12, 2.13 or 2.14: the commit
+picks it, PPLAB_MIDDLE_TORCH=2.13 chooses; the floors lock with that torch) for the notebooks and
+tests that ask what a release does (`test --no-middle` skips that leg, `--one-torch` both). Any
+failing set-up step ends with one message (step, command, fix) and exit code 3.
 This file and envsetup.py use only the standard library: they run before anything is installed.
 """
 
@@ -42,6 +46,14 @@ MAIN_TORCH = (2, 15)   # the lock of .venv: the newest the kit supports, what `p
 OTHER_END = (2, 11)    # the oldest it supports (the GPU machines' torch): dev.py test's second leg
 OTHER_END_TESTS = ("tests/test_versions.py", "tests/test_pplog.py", "tests/test_reference_runs.py", "tests/test_noise.py",
                    "tests/test_load.py", "notebooks")
+MIDDLE = {(2, 12): "torch==2.12.1", (2, 13): "torch==2.13.0", (2, 14): "torch==2.14.1"}
+"""The supported releases between the two ends, each as the patch release its table row was measured on."""
+MIDDLE_TESTS = ("tests/test_versions.py", "notebooks/02_tracer_split.ipynb", "notebooks/06_reading_pp_logs.ipynb",
+                "notebooks/09_gotchas.ipynb", "notebooks/11_your_own_model.ipynb",
+                "notebooks/14_pipelining_in_practice.ipynb")
+"""Leg 3, on one middle release: every notebook and test that asks labkit.versions.fact what a release does
+(or still compares releases by hand), and the table's own tests (its feature probes: what a notebook asks
+with versions.has takes one of the two paths the ends run). tests/test_setup.py keeps it complete."""
 
 
 def sh(*cmd, **kw) -> None:
@@ -49,11 +61,18 @@ def sh(*cmd, **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
-def setup(venv_dir: Path = VENV, torch_minor: tuple[int, int] = MAIN_TORCH, keep_torch: bool = True) -> str:
-    """The environment from the lock of `torch_minor` (scripts/envsetup.py); returns torch's version."""
-    torch_spec = os.environ.get("PPLAB_TORCH") if venv_dir == VENV else os.environ.get("PPLAB_OTHER_TORCH")
+def setup(venv_dir: Path = VENV, torch_minor: tuple[int, int] = MAIN_TORCH, keep_torch: bool = True,
+          torch_spec: str | None = None) -> str:
+    """The environment from the lock of `torch_minor` (scripts/envsetup.py); returns torch's version.
+    `torch_spec`: this torch instead of the lock's (the middle release's leg); else $PPLAB_TORCH for .venv,
+    $PPLAB_OTHER_TORCH for another."""
+    spec_from = "the middle release's leg of dev.py test"
+    if torch_spec is None:
+        spec_from = "PPLAB_TORCH" if venv_dir == VENV else "PPLAB_OTHER_TORCH"
+        torch_spec = os.environ.get(spec_from)
     envsetup.check_room([room_of(venv_dir, torch_minor, keep_torch)])
-    version = envsetup.setup(venv_dir, lock_path(torch_minor), keep_torch=keep_torch, torch_spec=torch_spec)
+    version = envsetup.setup(venv_dir, lock_path(torch_minor), keep_torch=keep_torch, torch_spec=torch_spec,
+                             spec_from=spec_from)
     print(f"set-up done: {venv_dir.name} has torch {version}", flush=True)
     return version
 
@@ -236,33 +255,111 @@ def quick(argv: list[str]) -> int:
 
 
 OTHER_VENV = Path(os.environ.get("PPLAB_OTHER_VENV", ROOT / f".venv-torch{OTHER_END[0]}.{OTHER_END[1]}"))
-OTHER_SETUP_LOG = ROOT / "test-artifacts" / f"setup-torch{OTHER_END[0]}.{OTHER_END[1]}.log"
 
 
-def start_other_setup() -> subprocess.Popen:
-    """The second leg's environment, built in the background while the first leg's tests run: at the
+def minor_text(minor: tuple[int, int]) -> str:
+    return f"{minor[0]}.{minor[1]}"
+
+
+def shown(path: Path) -> str:
+    """A path as said to the user: from the repository's root when it lies inside."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def middle_release() -> tuple[int, int]:
+    """The middle release (a key of MIDDLE) that leg 3 runs on: $PPLAB_MIDDLE_TORCH ("2.12", "2.13" or
+    "2.14"), else the commit checked out picks one (its hash, modulo 3): a run repeats on the same
+    release, and successive commits go round all three. Without git (an exported tree): 2.13."""
+    chosen = os.environ.get("PPLAB_MIDDLE_TORCH")
+    if chosen:
+        by_text = {minor_text(m): m for m in MIDDLE}
+        if chosen not in by_text:
+            raise SetupError("read PPLAB_MIDDLE_TORCH", f"set it to one of {', '.join(by_text)} (a supported release "
+                             f"between the two ends), got {chosen!r}")
+        return by_text[chosen]
+    minors = sorted(MIDDLE)
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return minors[int(head[:12], 16) % len(minors)]
+    except (OSError, ValueError):  # no git, or not a checkout
+        return (2, 13)
+
+
+def middle_venv(minor: tuple[int, int]) -> Path:
+    """Leg 3's environment for the middle release `minor`: $PPLAB_MIDDLE_VENV, else .venv-torch<X.Y>."""
+    return Path(os.environ.get("PPLAB_MIDDLE_VENV", ROOT / f".venv-torch{minor_text(minor)}"))
+
+
+class LegSpec:
+    """A leg after the first: which torch (the release, and the pip spec that installs it over the
+    floors lock, or None: the lock's own), where its environment is, what it runs, and its logs."""
+
+    def __init__(self, number: int, minor: tuple[int, int], venv: Path, tests: tuple[str, ...], torch_spec=None):
+        self.number, self.minor, self.venv, self.tests, self.torch_spec = number, minor, venv, tests, torch_spec
+
+    @property
+    def setup_args(self) -> list[str]:
+        """`dev.py setup`'s arguments that build this leg's environment."""
+        return ["--other-end"] if self.torch_spec is None else ["--middle", minor_text(self.minor)]
+
+    @property
+    def setup_log(self) -> Path:
+        return ARTIFACTS / f"setup-torch{minor_text(self.minor)}.log"
+
+    @property
+    def log(self) -> Path:
+        return ARTIFACTS / f"leg-torch{minor_text(self.minor)}.log"
+
+    def room(self) -> tuple[Path, str, bool]:
+        """What envsetup.check_room needs to know of this leg's environment."""
+        want = self.torch_spec.split("==")[1] if self.torch_spec else \
+            envsetup.locked_torch(envsetup.read_lock(lock_path(OTHER_END)))
+        return self.venv, want, False
+
+    def build(self) -> str:
+        """Set up this leg's environment in the foreground; returns torch's version."""
+        return setup(self.venv, OTHER_END, keep_torch=False, torch_spec=self.torch_spec)
+
+
+def other_end_leg() -> LegSpec:
+    """Leg 2: the oldest supported release, the floors lock as it is."""
+    return LegSpec(2, OTHER_END, OTHER_VENV, OTHER_END_TESTS)
+
+
+def middle_leg(minor: tuple[int, int] | None = None) -> LegSpec:
+    """Leg 3: a middle release (`middle_release()` unless given) over the floors lock, for MIDDLE_TESTS."""
+    minor = minor or middle_release()
+    return LegSpec(3, minor, middle_venv(minor), MIDDLE_TESTS, MIDDLE[minor])
+
+
+def start_setup(spec: LegSpec) -> subprocess.Popen:
+    """A later leg's environment, built in the background while the first leg's tests run: at the
     lowest CPU priority (it is mostly a download), its output in a log file, not among the tests'."""
-    OTHER_SETUP_LOG.parent.mkdir(exist_ok=True)
-    log = open(OTHER_SETUP_LOG, "w")
+    spec.setup_log.parent.mkdir(parents=True, exist_ok=True)
+    log = open(spec.setup_log, "w")
     nice = (lambda: os.nice(19)) if hasattr(os, "nice") else None
-    print(f"(setting up {OTHER_VENV.name} from {lock_path(OTHER_END).name} in the background, at low priority: "
-          f"{OTHER_SETUP_LOG.relative_to(ROOT)})", flush=True)
-    return subprocess.Popen([sys.executable, __file__, "setup", "--other-end"], stdout=log, stderr=subprocess.STDOUT,
+    what = lock_path(OTHER_END).name + (f" with {spec.torch_spec}" if spec.torch_spec else "")
+    print(f"(setting up {spec.venv.name} from {what} in the background, at low priority: {shown(spec.setup_log)})",
+          flush=True)
+    return subprocess.Popen([sys.executable, __file__, "setup", *spec.setup_args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, preexec_fn=nice, cwd=ROOT)
 
 
-def finish_other_setup(proc: subprocess.Popen) -> str:
+def finish_setup(spec: LegSpec, proc: subprocess.Popen) -> str:
     """Wait for the background set-up; its torch line and result are shown; a failure is its message."""
     rc = proc.wait()
-    lines = OTHER_SETUP_LOG.read_text(errors="replace").splitlines()
+    lines = spec.setup_log.read_text(errors="replace").splitlines()
     for line in lines:
         if line.startswith(("torch: ", "set-up done: ")):
             print(line, flush=True)
     if rc != 0:
         message = "\n".join(lines[-12:])
-        raise SetupError(f"set up {OTHER_VENV.name} (in the background; whole log: {OTHER_SETUP_LOG})",
+        raise SetupError(f"set up {spec.venv.name} (in the background; whole log: {spec.setup_log})",
                          "see the message above", None, message)
-    return envsetup.installed_torch(OTHER_VENV) or "?"
+    return envsetup.installed_torch(spec.venv) or "?"
 
 
 # A busy process: pure Python spinning at normal priority. It checks every few milliseconds of its
@@ -302,116 +399,149 @@ class BusyLoad:
 def test(argv: list[str]) -> int:
     """The whole suite on .venv's torch (2.15 from the lock, or what a cap allows), then, unless
     `--one-torch`, the version-dependent part (torch's API table, the log parser, the reference runs,
-    every notebook) on the other end of the supported range, in .venv-torch2.11, whose set-up runs
-    in the background during the first leg. Fails if either leg fails. `--under-load`: both legs run
-    beside one busy process per core (BusyLoad), started after the set-up and stopped at the end."""
+    every notebook) on the other end of the supported range, in .venv-torch2.11, and, unless
+    `--no-middle` too, what asks labkit.versions what a release does (MIDDLE_TESTS) on one middle
+    release (`middle_release()`); their set-ups run in the background during the first leg. Fails if
+    any leg fails. `--under-load`: the legs run beside one busy process per core (BusyLoad), started
+    after the set-up and stopped at the end."""
     if "--quick" in argv:
         return quick([a for a in argv if a != "--quick"])
     under_load = "--under-load" in argv
     argv = [a for a in argv if a != "--under-load"]
-    if "--one-torch" not in argv:  # room for both environments, before the first one downloads anything
-        envsetup.check_room([room_of(VENV, MAIN_TORCH, True), room_of(OTHER_VENV, OTHER_END, False)])
+    later = later_legs(argv)
+    if later:  # room for every environment, before the first one downloads anything
+        envsetup.check_room([room_of(VENV, MAIN_TORCH, True)] + [leg.room() for leg in later])
     main_torch = setup()
     ensure_browser()
     if under_load:  # the load starts after every set-up: installing is not what it tests
-        if "--one-torch" not in argv:  # the second leg's too, here and now: in the background, at the lowest
-            # priority, beside busy processes of normal priority it barely moved (12 minutes for 13 s of CPU)
-            setup(OTHER_VENV, OTHER_END, keep_torch=False)
+        for leg in later:  # the later legs' too, here and now: in the background, at the lowest priority,
+            leg.build()    # beside busy processes of normal priority, it barely moved (12 minutes for 13 s of CPU)
         with BusyLoad(load_size()):
             return test_legs(argv, main_torch, other_ready=True)
     return test_legs(argv, main_torch)
 
 
+def later_legs(argv: list[str]) -> list[LegSpec]:
+    """The legs after the first that `dev.py test argv` runs: none with `--one-torch`; the other end
+    (leg 2); the middle release (leg 3) unless `--no-middle`."""
+    if "--one-torch" in argv:
+        return []
+    return [other_end_leg()] + ([] if "--no-middle" in argv else [middle_leg()])
+
+
+def serial_paths(spec: LegSpec) -> list[str]:
+    """What a later leg's serial pass runs: its test files, and the notebooks it runs that run alone."""
+    alone = [nb for nb in alone_notebooks() if any(nb == p or nb.startswith(p.rstrip("/") + "/") for p in spec.tests)]
+    return [p for p in spec.tests if p.startswith("tests/")] + alone
+
+
 def test_legs(argv: list[str], main_torch: str, other_ready: bool = False) -> int:
     """Leg 1 (tests + notebooks on .venv) in the foreground with live output; leg 2 (the other end of
-    the range) after it (beside it with `--legs-beside`, as soon as its background set-up is done),
-    its output kept in a log file that is shown when it ends; then the `serial` tests, alone. Each
-    leg runs on `test_workers()` pytest workers. Fails if any of them fails."""
-    one_torch, beside = "--one-torch" in argv, "--legs-beside" in argv
-    argv = [a for a in argv if a not in ("--one-torch", "--legs-beside")]
+    the range) after it, then leg 3 (a middle release) after leg 2 (with `--legs-beside`, each as soon
+    as its background set-up is done), their output kept in log files that are shown when they end;
+    then the `serial` tests, alone. Each leg runs on `test_workers()` pytest workers. Fails if any of
+    them fails."""
+    beside = "--legs-beside" in argv
+    later = later_legs(argv)
+    argv = [a for a in argv if a not in ("--one-torch", "--legs-beside", "--no-middle")]
     workers = test_workers()
     import threading
     leg1_done = threading.Event()
-    # leg 2 starts after leg 1 (the CI default: one leg's load at a time, each leg on its workers);
-    # `--legs-beside` starts it as soon as its environment is built.
-    other = None if one_torch else OtherLeg(argv, workers=workers, after=None if beside else leg1_done, ready=other_ready)
-    reset_imports_log(1)
+    # each later leg starts after the one before it (the CI default: one leg's load at a time, each leg on
+    # its workers); `--legs-beside` starts each as soon as its environment is built.
+    others: list = []
     try:
+        for spec in later:
+            after = None if beside else (others[-1].done if others else leg1_done)
+            others.append(OtherLeg(argv, workers=workers, after=after, ready=other_ready, spec=spec))
+        reset_imports_log(1)
         main_rc = pytest(VENV, ("tests", "notebooks"), argv, workers)
         leg1_done.set()
-        other_rc = other.finish() if other is not None else 0
+        other_rcs = [leg.finish() for leg in others]
     except BaseException:
-        if other is not None:
-            other.kill()
+        for leg in others:
+            leg.kill()
         raise
     print("\n== tests that end, count or time every kit process on the machine (marked serial), alone ==", flush=True)
     serial_rc = pytest(VENV, ("tests", *alone_notebooks()), argv, serial=True)
     serial_rc = 0 if serial_rc == 5 else serial_rc  # none selected (e.g. by -k): nothing to run alone
-    if other is not None and other.rc is not None:  # leg 2's serial tests on its torch, alone too
-        other_tests = [p for p in OTHER_END_TESTS if p.startswith("tests/")] + alone_notebooks()
-        rc = pytest(OTHER_VENV, other_tests, argv, serial=True, leg=2)
-        other_rc = other_rc or (0 if rc == 5 else rc)
+    for i, leg in enumerate(others):  # each later leg's serial tests on its torch, alone too
+        if leg.rc is not None:
+            rc = pytest(leg.spec.venv, serial_paths(leg.spec), argv, serial=True, leg=leg.spec.number)
+            other_rcs[i] = other_rcs[i] or (0 if rc == 5 else rc)
     verdict = lambda rc: "passed" if rc == 0 else f"FAILED (pytest exit {rc})"  # noqa: E731
     said = f"\nwhole suite on torch {main_torch}: {verdict(main_rc or serial_rc)}"
-    if other is not None:
-        said += f"; {', '.join(OTHER_END_TESTS)} on torch {other.torch}: {verdict(other_rc)}"
+    for leg, rc in zip(others, other_rcs):
+        said += f"; {', '.join(leg.spec.tests)} on torch {leg.torch}: {verdict(rc)}"
     print(said, flush=True)
     print("processes that imported torch (ranks, torchrun agents, kernels, scripts, pytest itself):", flush=True)
-    for leg in (1,) if other is None else (1, 2):
-        print("  " + count_imports(leg), flush=True)
-    return main_rc or serial_rc or other_rc
-
-
-OTHER_LEG_LOG = ROOT / "test-artifacts" / f"leg-torch{OTHER_END[0]}.{OTHER_END[1]}.log"
+    for n in [1] + [leg.spec.number for leg in others]:
+        print("  " + count_imports(n), flush=True)
+    return main_rc or serial_rc or next((rc for rc in other_rcs if rc), 0)
 
 
 class OtherLeg:
-    """The second leg: its set-up (background, low priority), then its tests, in a thread beside the
-    first leg. `finish()` waits for it, shows its whole output and returns pytest's exit code; a
-    failed set-up is raised there as the SetupError it is. `ready`: its environment is built already
-    (`test --under-load` builds it before the load starts): no background set-up."""
+    """A leg after the first (`spec`; leg 2, the other end, unless given): its set-up (background, low
+    priority), then its tests, in a thread beside the first leg. `finish()` waits for it, shows its
+    whole output and returns pytest's exit code; a failed set-up is raised there as the SetupError it
+    is. `ready`: its environment is built already (`test --under-load` builds it before the load
+    starts): no background set-up. `done` is set once its tests ended (or it stopped): the next leg's
+    `after`."""
 
-    def __init__(self, argv: list[str], workers: int = 1, after=None, ready: bool = False):
+    def __init__(self, argv: list[str], workers: int = 1, after=None, ready: bool = False, spec: LegSpec | None = None):
         import threading
+        self.spec = spec or other_end_leg()
         self.argv, self.workers, self.torch, self.rc, self.error, self.proc = argv, workers, "?", None, None, None
         self.after = after  # a threading.Event to wait for before the tests start (None: start at once)
-        self.setup = None if ready else start_other_setup()
+        self.done = threading.Event()
+        self.setup = None if ready else start_setup(self.spec)
         self.killed = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.torch = (envsetup.installed_torch(OTHER_VENV) or "?") if self.setup is None \
-                else finish_other_setup(self.setup)
+            self._run_tests()
+        finally:
+            self.done.set()
+
+    def _run_tests(self) -> None:
+        spec = self.spec
+        try:
+            self.torch = (envsetup.installed_torch(spec.venv) or "?") if self.setup is None \
+                else finish_setup(spec, self.setup)
         except SetupError as e:
             self.error = e
             return
         if self.after is not None:
             self.after.wait()
-        cmd = pytest_command(OTHER_VENV, OTHER_END_TESTS, self.argv, workers=self.workers, junit=junit_path(2))
-        with open(OTHER_LEG_LOG, "w") as log:
+        cmd = pytest_command(spec.venv, spec.tests, self.argv, workers=self.workers, junit=junit_path(spec.number))
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log, "w") as log:
             log.write("+ " + " ".join(cmd) + "\n")
             log.flush()
             if self.killed:
                 return
-            print(f"(leg 2 started: torch {self.torch}, output in {OTHER_LEG_LOG.relative_to(ROOT)})",
-                  flush=True)
-            reset_imports_log(2)
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=pytest_env(2), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            print(f"(leg {spec.number} started: torch {self.torch}, output in {shown(spec.log)})", flush=True)
+            reset_imports_log(spec.number)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=pytest_env(spec.number), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.rc = self.proc.wait()
 
     def finish(self) -> int:
+        spec = self.spec
         if self.thread.is_alive():
-            print(f"\n(waiting for leg 2, torch {OTHER_END[0]}.{OTHER_END[1]}: {OTHER_LEG_LOG.relative_to(ROOT)})",
-                  flush=True)
+            print(f"\n(waiting for leg {spec.number}, torch {minor_text(spec.minor)}: {shown(spec.log)})", flush=True)
         self.thread.join()
         if self.error is not None:
             raise self.error
-        print(f"\n== the other end of the supported range: {lock_path(OTHER_END).name} in {OTHER_VENV.name} ==",
+        title = ("the other end of the supported range" if spec.torch_spec is None else
+                 f"a middle release (the tests that ask labkit.versions what a release does; PPLAB_MIDDLE_TORCH="
+                 f"{'/'.join(minor_text(m) for m in MIDDLE)} picks it)")
+        with_torch = f" with {spec.torch_spec}" if spec.torch_spec else ""
+        print(f"\n== leg {spec.number}, {title}: {lock_path(OTHER_END).name}{with_torch} in {spec.venv.name} ==",
               flush=True)
-        print(OTHER_LEG_LOG.read_text(errors="replace"), end="", flush=True)
+        print(spec.log.read_text(errors="replace"), end="", flush=True)
         return self.rc if self.rc is not None else 1
 
     def kill(self) -> None:
@@ -465,7 +595,12 @@ def main(argv: list[str]) -> int:
     try:
         if cmd == "setup":
             if "--other-end" in rest:  # the second leg's environment (dev.py test builds it in the background)
-                setup(OTHER_VENV, OTHER_END, keep_torch=False)
+                other_end_leg().build()
+            elif "--middle" in rest:  # the third leg's: `setup --middle [2.13]` (default: middle_release())
+                chosen = rest[rest.index("--middle") + 1:][:1]
+                if chosen and not chosen[0].startswith("-"):
+                    os.environ["PPLAB_MIDDLE_TORCH"] = chosen[0]
+                middle_leg().build()
             else:
                 setup()
             return 0

@@ -7,7 +7,7 @@ anything is installed):
   lab, test, models, search) and `requirements/torch-<X.Y>.in` (`python3 scripts/dev.py lock` refreshes them). The
   main environment `.venv` gets torch 2.15.0's lock (the newest release of everything), `dev.py test`'s
   second leg the floors lock, torch 2.11.0's (torch-2.11.in pins every package that has a floor at it,
-  e.g. transformers 5.23.0; labkit/versions.py declares the ranges).
+  e.g. transformers 5.23.0; labkit/versions/ declares the ranges).
 - torch and the packages only torch needs ("the torch family": CUDA libraries, triton, sympy, ...) are
   installed apart from the rest, so that another torch can stand in for the locked one: a torch
   already in the venv (GPU nodes put a CUDA build there first), `PPLAB_TORCH`, or the newest
@@ -376,7 +376,8 @@ def check_room(envs: list[tuple[Path, str, bool]], free_bytes=None) -> None:
                 "check the disk has room",
                 f"free {(need - free) / GB:.1f} GB more on that disk (`df -h {where}`: delete old environments, "
                 "caches or clones), or build the environments on a disk with room: PPLAB_VENV=/big/disk/pplab-venv "
-                "(and PPLAB_OTHER_VENV for the torch 2.11 leg of `dev.py test`, which `--one-torch` skips)",
+                "(and PPLAB_OTHER_VENV for the torch 2.11 leg of `dev.py test`, which `--one-torch` skips, "
+                "PPLAB_MIDDLE_VENV for its middle release's leg, which `--no-middle` skips)",
                 None, f"{names} still need about {need / GB:.1f} GB (torch's wheel on Linux is a CUDA build), "
                       f"and {free / GB:.1f} GB are free there")
 
@@ -423,13 +424,13 @@ class TorchPlan:
 
 
 def plan_torch(vpy: Path, pins: dict[str, list[Pin]], have: str | None, keep_torch: bool = True,
-               torch_spec: str | None = None) -> TorchPlan:
-    """Which torch to install: `torch_spec` if given (PPLAB_TORCH); else a supported torch already
-    there when `keep_torch` (or exactly the lock's when not); else the lock's, or the newest
-    supported one that pip's configuration allows when it caps torch below the lock."""
+               torch_spec: str | None = None, spec_from: str = "PPLAB_TORCH") -> TorchPlan:
+    """Which torch to install: `torch_spec` if given (where it came from: `spec_from`, said); else a
+    supported torch already there when `keep_torch` (or exactly the lock's when not); else the lock's,
+    or the newest supported one that pip's configuration allows when it caps torch below the lock."""
     want = locked_torch(pins)
     if torch_spec:
-        return TorchPlan(f"torch: {torch_spec} (PPLAB_TORCH), instead of the lock's torch=={want}",
+        return TorchPlan(f"torch: {torch_spec} ({spec_from}), instead of the lock's torch=={want}",
                          torch_spec.split())
     if have and (supported(have) if keep_torch else version_tuple(have) == version_tuple(want)):
         return TorchPlan(f"torch: keeping torch {have}, already installed (the lock has torch=={want})", [])
@@ -522,7 +523,7 @@ def _installed_versions(vpy: Path) -> dict[str, str]:
 
 
 def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str | None = None,
-          extras: str = EXTRAS) -> str:
+          extras: str = EXTRAS, spec_from: str = "PPLAB_TORCH") -> str:
     """A virtual environment with the lock's packages and the kit (editable); returns torch's version.
     Which torch: `plan_torch` (said in one line)."""
     check_python()
@@ -538,7 +539,7 @@ def setup(venv_dir: Path, lock: Path, keep_torch: bool = True, torch_spec: str |
     if not lock.exists():
         raise SetupError("read the lock", f"{lock} is missing: refresh the locks with `python3 scripts/dev.py lock`")
     pins = read_lock(lock)
-    plan = plan_torch(vpy, pins, installed_torch(venv_dir), keep_torch, torch_spec)
+    plan = plan_torch(vpy, pins, installed_torch(venv_dir), keep_torch, torch_spec, spec_from)
     print(plan.message, flush=True)
     if plan.install:
         run_step("install torch", [*pip(vpy), *plan.install])

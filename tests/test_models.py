@@ -168,7 +168,7 @@ ONE_RANK = [("bert", "InterleavedZeroBubble"), ("llama", "Interleaved1F1B")]
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory):
-    """Traced models with two stages on ONE rank (pipe.build_stage): on torch 2.13 and 2.14 the traced
+    """Traced models with two stages on ONE rank (pipe.build_stage): on torch 2.11 to 2.14 the traced
     stage posts a warm-up send to its own rank, which gloo cannot do (labkit.versions drops it)."""
     from conftest import run_suite
 

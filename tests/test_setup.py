@@ -254,10 +254,13 @@ def test_under_load_runs_one_busy_process_per_core_beside_the_tests_and_stops_th
 
 
 def test_under_load_builds_the_second_legs_environment_before_the_load(monkeypatch, capsys):
-    """With both legs, `--under-load` builds .venv-torch2.11 in the foreground before the busy processes
-    start, and the second leg starts no background set-up: at the lowest priority beside busy processes
-    it barely moved (a fresh-clone run: 12 minutes for 13 s of CPU)."""
+    """With every leg, `--under-load` builds .venv-torch2.11 and the middle release's environment in the
+    foreground before the busy processes start, and the later legs start no background set-up: at the
+    lowest priority beside busy processes it barely moved (a fresh-clone run: 12 minutes for 13 s of CPU)."""
+    import threading
+
     dev = _dev_module()
+    monkeypatch.setenv("PPLAB_MIDDLE_TORCH", "2.13")
     events = []
 
     class Load:
@@ -271,21 +274,22 @@ def test_under_load_builds_the_second_legs_environment_before_the_load(monkeypat
             events.append("load stops")
 
     class Leg:
-        def __init__(self, argv, workers=1, after=None, ready=False):
-            events.append(f"leg 2 ready={ready}")
-            self.torch, self.rc = "2.11.0", 0
+        def __init__(self, argv, workers=1, after=None, ready=False, spec=None):
+            events.append(f"leg {spec.number} ready={ready}")
+            self.torch, self.rc, self.spec, self.done = "2.11.0", 0, spec, threading.Event()
 
         def finish(self):
             return 0
 
     monkeypatch.setattr(dev, "setup", lambda venv_dir=dev.VENV, *a, **k: events.append(f"set up {Path(venv_dir).name}") or "2.15.0")
-    monkeypatch.setattr(dev, "start_other_setup", lambda: pytest.fail("no background set-up under load"))
+    monkeypatch.setattr(dev, "start_setup", lambda spec: pytest.fail("no background set-up under load"))
     monkeypatch.setattr(dev, "BusyLoad", Load)
     monkeypatch.setattr(dev, "OtherLeg", Leg)
     monkeypatch.setattr(dev, "ensure_browser", lambda: None)
     monkeypatch.setattr(dev, "pytest", lambda *a, serial=False, **k: 5 if serial else 0)
     assert dev.main(["test", "--under-load"]) == 0
-    assert events == ["set up .venv", f"set up {dev.OTHER_VENV.name}", "load starts", "leg 2 ready=True", "load stops"], events
+    assert events == ["set up .venv", f"set up {dev.OTHER_VENV.name}", f"set up {dev.middle_venv((2, 13)).name}",
+                      "load starts", "leg 2 ready=True", "leg 3 ready=True", "load stops"], events
 
 
 def test_the_busy_processes_end_when_dev_py_is_killed(tmp_path):
@@ -351,23 +355,42 @@ def test_quick_names_a_test_that_started_a_torch_process_and_fails(monkeypatch, 
 
 
 @pytest.mark.parametrize("flags, in_turn", [([], True), (["--legs-beside"], False)])
-def test_leg_2_runs_after_leg_1_unless_asked_to_run_beside(monkeypatch, flags, in_turn):
+def test_each_later_leg_runs_after_the_one_before_unless_asked_to_run_beside(monkeypatch, flags, in_turn):
+    import threading
+
     dev = _dev_module()
-    seen = {}
+    legs, serial = [], []
 
     class Leg:
-        def __init__(self, argv, workers=1, after=None, ready=False):
-            seen.update(argv=argv, after=after, workers=workers)
-            self.torch, self.rc = "2.11.0", 0
+        def __init__(self, argv, workers=1, after=None, ready=False, spec=None):
+            legs.append(self)
+            self.argv, self.after, self.workers, self.spec = argv, after, workers, spec
+            self.torch, self.rc, self.done = "2.11.0", 0, threading.Event()
 
         def finish(self):
             return 0
 
+    def fake_pytest(venv, paths, *a, serial=False, **k):
+        if serial:
+            runs.append((Path(venv).name, list(paths)))
+            return 5  # none selected: not a failure
+        return 0
+
+    runs = serial
     monkeypatch.setattr(dev, "OtherLeg", Leg)
-    monkeypatch.setattr(dev, "pytest", lambda *a, serial=False, **k: 5 if serial else 0)
+    monkeypatch.setattr(dev, "pytest", fake_pytest)
     assert dev.test_legs([*flags, "-x"], "2.15.0") == 0
-    assert seen["argv"] == ["-x"] and (seen["after"] is not None) is in_turn, seen
-    assert seen["workers"] == dev.test_workers(), seen  # each leg on the same workers
+    assert [leg.spec.number for leg in legs] == [2, 3] and [leg.spec.tests for leg in legs] == \
+        [dev.OTHER_END_TESTS, dev.MIDDLE_TESTS]
+    assert all(leg.argv == ["-x"] and leg.workers == dev.test_workers() for leg in legs)  # each leg on the same workers
+    assert (legs[0].after is not None) is in_turn and (legs[1].after is legs[0].done) is in_turn
+    # the serial passes: the whole suite's, then each later leg's own test files on its torch
+    assert [venv for venv, _ in serial] == [dev.VENV.name, dev.OTHER_VENV.name, legs[1].spec.venv.name], serial
+    assert serial[2][1] == ["tests/test_versions.py"]
+    legs.clear()
+    assert dev.test_legs(["--no-middle", "-x"], "2.15.0") == 0 and [leg.spec.number for leg in legs] == [2]
+    legs.clear()
+    assert dev.test_legs(["--one-torch"], "2.15.0") == 0 and legs == []
 
 
 def test_two_workers_get_whole_units_longest_first(monkeypatch):
@@ -460,6 +483,7 @@ def test_dev_py_test_checks_the_room_for_both_environments_first(monkeypatch, ca
     dev = _dev_module()
     monkeypatch.setattr(dev, "VENV", tmp_path / ".venv")
     monkeypatch.setattr(dev, "OTHER_VENV", tmp_path / ".venv-torch2.11")
+    monkeypatch.setenv("PPLAB_MIDDLE_VENV", str(tmp_path / ".venv-torch2.13"))
     monkeypatch.setattr(envsetup.shutil, "disk_usage", lambda p: type("U", (), {"free": int(8e9)})())
     monkeypatch.setattr(dev, "setup", lambda *a, **k: pytest.fail("set-up started without room"))
     assert dev.main(["test"]) == 3  # 8 GB hold one environment, not both
@@ -511,3 +535,67 @@ def test_pip_check_failing_is_one_message(tmp_path):
     assert "nbval 0.11.0 requires ipykernel" in str(e.value) and "dev.py lock" in str(e.value)
     fake.write_text("#!/bin/sh\necho 'No broken requirements found.'\n")
     envsetup.pip_check(fake)
+
+
+# ---- leg 3: one middle release, for what asks labkit.versions what a release does ----
+def test_the_middle_leg_runs_every_notebook_and_test_that_asks_what_a_release_does():
+    """MIDDLE_TESTS is exactly the files that ask `versions.fact` (or still compare releases by hand),
+    with the table's own tests. A file that only asks `versions.has` is left out: a feature's two paths
+    both run on the ends (2.11 without, 2.15 with), and which one a middle release takes is the table's
+    feature probe, in tests/test_versions.py."""
+    import re
+
+    import test_versions
+
+    dev = _dev_module()
+    asking = {path for path, code in test_versions.release_sources().items()
+              if re.search(r"versions\.fact\(", code) or test_versions.HAND_WRITTEN_RELEASE.search(code)}
+    assert set(dev.MIDDLE_TESTS) == asking | {"tests/test_versions.py"}, sorted(asking)
+    assert all((ROOT / p).exists() for p in dev.MIDDLE_TESTS)
+
+
+def test_the_middle_releases_are_the_supported_ones_between_the_ends_each_pinned():
+    from labkit import versions
+
+    dev = _dev_module()
+    assert sorted(dev.MIDDLE) == list(versions.MINORS[1:-1])
+    for minor, spec in dev.MIDDLE.items():
+        name, version = spec.split("==")
+        assert name == "torch" and versions.parse(version) == minor, spec
+
+
+def test_the_middle_release_can_be_chosen_and_otherwise_rotates_with_the_commit(monkeypatch):
+    dev = _dev_module()
+    monkeypatch.setenv("PPLAB_MIDDLE_TORCH", "2.12")
+    assert dev.middle_release() == (2, 12)
+    monkeypatch.setenv("PPLAB_MIDDLE_TORCH", "2.16")
+    with pytest.raises(envsetup.SetupError, match="set it to one of 2.12, 2.13, 2.14"):
+        dev.middle_release()
+    monkeypatch.delenv("PPLAB_MIDDLE_TORCH")
+    picked = set()
+    for head in ("000000000000", "000000000001", "000000000002", "000000000003"):
+        monkeypatch.setattr(dev.subprocess, "run", lambda *a, head=head, **k: subprocess.CompletedProcess(a, 0, head + "\n", ""))
+        picked.add(dev.middle_release())
+    assert picked == set(dev.MIDDLE)  # successive commits go round all three
+
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(dev.subprocess, "run", no_git)
+    assert dev.middle_release() == (2, 13)
+
+
+def test_the_middle_leg_installs_its_torch_over_the_floors_lock(monkeypatch, tmp_path):
+    dev = _dev_module()
+    monkeypatch.delenv("PPLAB_MIDDLE_VENV", raising=False)
+    leg = dev.middle_leg((2, 14))
+    assert (leg.number, leg.venv.name, leg.tests, leg.setup_args) == (3, ".venv-torch2.14", dev.MIDDLE_TESTS, ["--middle", "2.14"])
+    assert leg.room() == (leg.venv, "2.14.1", False)
+    assert dev.other_end_leg().room()[1:] == ("2.11.0", False) and dev.other_end_leg().setup_args == ["--other-end"]
+    assert dev.serial_paths(dev.other_end_leg())[-1] == "notebooks/06b_measuring_a_step.ipynb"  # "notebooks" holds it
+    assert dev.serial_paths(leg) == ["tests/test_versions.py"]
+    calls = []  # what envsetup is asked: the floors lock, that torch instead of its own, and where that came from
+    monkeypatch.setattr(dev.envsetup, "setup", lambda venv, lock, **k: calls.append((venv, lock.name, k)) or "2.14.1")
+    monkeypatch.setattr(dev.envsetup, "check_room", lambda envs: None)
+    assert dev.main(["setup", "--middle", "2.14"]) == 0
+    assert calls == [(leg.venv, "lab-torch2.11.txt", {"keep_torch": False, "torch_spec": "torch==2.14.1",
+                                                      "spec_from": "the middle release's leg of dev.py test"})], calls

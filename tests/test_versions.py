@@ -2,6 +2,7 @@
 (run on both ends of the supported range by the README's test command), and the one workaround."""
 
 import inspect
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +20,11 @@ def test_the_installed_torch_is_in_the_supported_range():
 
 
 def test_each_feature_is_present_exactly_from_its_version_on():
-    """If torch moves a feature (or the table is wrong), this fails on one end of the range."""
+    """If torch moves a feature (or the table is wrong), this fails on the release that disagrees (dev.py
+    test runs it on both ends of the range and on a middle release)."""
     actual = {
         "pre-split microbatches": "arg_mbs" in inspect.signature(ScheduleGPipe.step).parameters,
+        "loss kwargs": "loss_kwargs" in inspect.signature(pipelining.Schedule1F1B.step).parameters,
         "activation liveness": hasattr(pipelining, "analyze_pipeline_activation_liveness"),
         "WAIT actions": hasattr(schedules._ComputationType, "WAIT_SEND_F"),
         "deferred FSDP gradients": "finalize_gradients" in inspect.signature(ScheduleGPipe.step).parameters,
@@ -31,6 +34,94 @@ def test_each_feature_is_present_exactly_from_its_version_on():
         assert versions.has(name) == present, f"{name}: torch {torch.__version__} has it: {present}"
     with pytest.raises(KeyError, match="Unknown feature 'teleport'"):
         versions.has("teleport")
+
+
+# ---- the release facts (labkit.versions.RELEASE_FACTS): one table, every supported release measured ----
+def test_every_release_fact_is_measured_on_every_supported_minor_release():
+    assert versions.MINORS == ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+    assert (versions.MINORS[0], versions.MINORS[-1]) == versions.SUPPORTED
+    for name, f in versions.RELEASE_FACTS.items():
+        assert f.name == name and f.measured.strip(), name
+        assert tuple(f.outcomes) == versions.MINORS, f"{name}: measured on {list(f.outcomes)}, not {versions.MINORS}"
+        assert all(o is not None for o in f.outcomes.values()), f"{name}: an outcome is missing: {f.outcomes}"
+        if f.feature:  # an API added in one release: absent before it, present from it on
+            seen = [f.outcomes[v] for v in versions.MINORS]
+            assert all(isinstance(o, bool) for o in seen) and seen == sorted(seen), (name, seen)
+    assert set(versions.FEATURES) == {n for n, f in versions.RELEASE_FACTS.items() if f.feature}
+    assert versions.FEATURES["loss kwargs"][0] == (2, 13) and versions.FEATURES["WAIT actions"][0] == (2, 15)
+    assert versions.SELF_P2P_FIXED == (2, 15)
+
+
+def test_fact_gives_the_installed_releases_outcome():
+    here = versions.installed()
+    for name, f in versions.RELEASE_FACTS.items():
+        assert versions.fact(name) == f.outcomes[here] == versions.fact(name, torch.__version__), name
+        assert versions.fact(name, here) == versions.fact(name, f"{here[0]}.{here[1]}.7+cpu")  # any patch, any build
+        if f.feature:
+            assert versions.has(name) == versions.fact(name)
+    assert versions.fact("loss kwargs", "2.12.1+cu130") is False and versions.fact("loss kwargs", (2, 13)) is True
+    assert versions.fact("skip connection error", "2.16.0") == versions.fact("skip connection error", "2.15.0")
+    with pytest.raises(ValueError, match="older than 2.11, the oldest the kit supports"):
+        versions.fact("loss kwargs", "2.10.0")
+    with pytest.raises(KeyError, match="Unknown release fact 'teleport'"):
+        versions.fact("teleport")
+
+
+def test_the_facts_torch_states_itself_hold_on_the_installed_release():
+    """The rows a release's own code settles (measured by running the lessons on each release): the
+    error classes it defines and raises, when it checks shapes, what it warns, where it warms up."""
+    from torch.distributed.pipelining import stage as pp_stage
+    from torch.distributed.pipelining import _utils as pp_utils
+
+    source = open(pp_stage.__file__).read()
+    shape_error = versions.fact("shape error class")
+    assert hasattr(pp_utils, shape_error)
+    assert not hasattr(pp_utils, ({"PipeliningShapeError", "PipeliningMetadataError"} - {shape_error}).pop())
+    raised = re.search(r"raise (\w+)\(\s*\"Backward of skip connections not supported yet\"", source)
+    assert raised and raised.group(1) == versions.fact("skip connection error")
+    assert ("dist.get_debug_level() == dist.DebugLevel.DETAIL" in source) == versions.fact("shape check needs DETAIL")
+    assert ("passing input_args and performing init-time shape inference is deprecated" in source) == \
+        versions.fact("input_args deprecation warning")
+    sends_to_self = versions.fact("self warm-up sends")
+    assert ("_get_init_p2p_neighbors_ops" in vars(pp_stage._PipelineStageBase)) == bool(sends_to_self)
+    assert ("_warmup_forward_vote" in vars(pp_stage.PipelineStage)) == (sends_to_self == ("traced",))
+
+
+HAND_WRITTEN_RELEASE = re.compile(r"(versions\.installed\(\)|__version__[^\n]*\))\s*(<|>|<=|>=)\s*\(\s*2\s*,\s*\d"
+                                  r"|\b(on|before|since|after)_2_\d+\b|WARMUP_WAIT")
+"""A cell or test that compares the release itself instead of asking `versions.fact`."""
+NOT_YET_FROM_THE_TABLE: set[str] = set()
+"""Files still comparing releases by hand (none: notebook 09's branches became the rows 'shape error class',
+'shape check needs DETAIL', 'uneven batch goes through', 'non-contiguous gradient fails on gloo' and
+'warm-up wait')."""
+
+
+def release_sources() -> dict[str, str]:
+    """{path from the repository's root: its code} for every notebook (code cells) and test file."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = {str(p.relative_to(root)): p.read_text() for p in sorted((root / "tests").glob("*.py"))}
+    for p in sorted((root / "notebooks").glob("*.ipynb")):
+        cells = json.loads(p.read_text())["cells"]
+        found[str(p.relative_to(root))] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return found
+
+
+def test_notebooks_and_tests_ask_the_table_for_what_a_release_does():
+    asked, by_hand = {}, []
+    for path, code in release_sources().items():
+        for name in re.findall(r"versions\.(?:fact|has)\(\s*[\"']([^\"']+)[\"']", code):
+            asked.setdefault(name, []).append(path)
+        hit = HAND_WRITTEN_RELEASE.search(code)
+        if hit and path != "tests/test_versions.py" and path not in NOT_YET_FROM_THE_TABLE:
+            by_hand.append(f"{path}: {hit.group(0)}")
+    unknown = {n: p for n, p in asked.items() if n not in versions.RELEASE_FACTS and n != "teleport"}
+    assert not unknown, f"asked of labkit.versions but not in RELEASE_FACTS: {unknown}"
+    assert not by_hand, ("compare releases through labkit.versions.fact (a row of RELEASE_FACTS, measured on "
+                         "every supported release), not by hand:\n" + "\n".join(by_hand))
+    assert {"ZBVZeroBubble compiled in place", "skip connection error", "input_args deprecation warning"} <= set(asked)
 
 
 def test_support_problem_says_how_to_fix_it():

@@ -1,5 +1,5 @@
 """The torch releases the kit supports, what each one differs in, and every use of torch's private API:
-the one file to read (and to adapt) when torch changes. Supported and tested: torch 2.11 to 2.15.
+the one place to read (and to adapt) when torch changes. Supported and tested: torch 2.11 to 2.15.
 
 - Ranges: `RANGES` declares the range of every dependency in pyproject.toml: its floor
   (pyproject.toml's and environment.yml's `>=`, None where they give none) and the newest release
@@ -9,14 +9,16 @@ the one file to read (and to adapt) when torch changes. Supported and tested: to
   2.11 and every package that has a floor at that floor, e.g. transformers 5.23).
   tests/test_environment.py keeps these ranges, pyproject.toml and the two locks in step; `labkit
   doctor` checks the installed packages against them (`range_problem`).
-- Features: what a lesson shows only on the torch versions that have it is listed in `FEATURES`; code
-  and notebook cells ask `has(...)` and say so. A lesson that depends on another package's release
-  asks for its version itself and says what holds on each (notebook 11: transformers 5.23 and 5.24).
+- Release facts: what a lesson or a test asserts about a torch release (what fails, what runs, what a
+  log prints, which API exists) is a row of `RELEASE_FACTS` (versions/facts.py), measured on each of
+  2.11 to 2.15; cells and tests assert `fact(name)`, never the version itself. Rows that are an API
+  one release added are the features (`FEATURES`, `has(...)`). A lesson that depends on another
+  package's release asks for its version itself (notebook 11: transformers 5.23 and 5.24). `dev.py
+  test` runs what asks the table on both ends and on a middle release (leg 3, docs/tests.md).
 - The work-around (`apply_workarounds`, torch < 2.15): see below.
 - torch's private API: each use is a named function below (`stage_base_class`, `schedule_classes`,
-  `wrap_p2p`, `schedule_state`, `runtime_with_order`, `planning_stages`, ...) whose docstring says
-  which releases it covers; no other module of the kit imports a private torch name
-  (tests/test_torch_internals.py).
+  `wrap_p2p`, `schedule_state`, `runtime_with_order`, `planning_stages`, ...) whose docstring says which
+  releases it covers; no other module of the kit imports a private torch name (test_torch_internals).
 
 The work-around ('Pair is not connected'): before a multi-stage schedule's first step, torch 2.11
 posts one warm-up send and receive between every pair of neighbouring stages, also when both stages
@@ -24,12 +26,14 @@ live on the same rank, as in the V placement of ZBVZeroBubble and DualPipeV (ran
 and 2) or with several stages on one rank (`--nproc 1`). gloo has no connection from a rank to itself,
 so the first step died with 'Pair is not connected'. The patch drops the warm-ups a rank would send to
 itself (they carry a dummy scalar; the runtime already moves tensors between two stages of one rank
-without sending them). torch 2.13 replaced that warm-up for `PipelineStage` (a vote that knows its own
-rank), but 2.13 and 2.14 keep it for the tracer's stages (`pipe.build_stage`): a traced model with
-several stages on one rank died the same way there (seen on 2.14.1 with traced BERT and Llama). torch
-2.15 removed it. `worker.init_distributed` (every process the kit starts) and the kit's stage builders
-(`worker.stages.build_stages`, the transformers adapter) apply it; it is the kit's only answer to that
-error, for manual and traced stages alike.
+without sending them). torch 2.12 replaced that warm-up for `PipelineStage` (a vote that knows its own
+rank), but 2.12 to 2.14 keep it for the tracer's stages (`pipe.build_stage`): a traced model with
+several stages on one rank died the same way there (traced BERT and Llama). torch 2.15 removed it
+(`RELEASE_FACTS["self warm-up sends"]`). `worker.init_distributed` (every process the kit starts) and
+the kit's stage builders (`worker.stages.build_stages`, the transformers adapter) apply it: the kit's
+only answer to that error, for manual and traced stages alike.
+
+May import: nothing of labkit.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+
+from .facts import RELEASE_FACTS, Fact  # noqa: F401  (the table of what each release does: versions/facts.py)
 
 
 @dataclass(frozen=True)
@@ -77,16 +83,13 @@ RANGES = {r.name: r for r in (
 SUPPORTED = tuple(tuple(int(x) for x in v.split(".")) for v in (RANGES["torch"].floor, RANGES["torch"].newest))
 """The oldest and newest (major, minor) torch the kit is tested on (RANGES["torch"])."""
 
-FEATURES = {
-    "pre-split microbatches": ((2, 14), "schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)"),
-    "activation liveness": ((2, 15), "torch.distributed.pipelining.analyze_pipeline_activation_liveness"),
-    "WAIT actions": ((2, 15), "the runtime's WAIT_SEND_F, WAIT_SEND_B and WAIT_REDUCE_GRAD actions"),
-    "deferred FSDP gradients": ((2, 15), "schedule.step(..., finalize_gradients=False): FSDP stages keep their "
-                                         "gradients unreduced and parameters gathered until a step with True"),
-}
-"""What a torch version added that a lesson shows: name -> (first version, what it is)."""
+MINORS = tuple((SUPPORTED[0][0], m) for m in range(SUPPORTED[0][1], SUPPORTED[1][1] + 1))
+"""Every supported minor release, oldest first: (2, 11), (2, 12), (2, 13), (2, 14), (2, 15)."""
 
-SELF_P2P_FIXED = (2, 15)
+FEATURES = {f.name: (next(v for v in MINORS if f.outcomes[v]), f.feature) for f in RELEASE_FACTS.values() if f.feature}
+"""What a torch version added that a lesson shows: name -> (first version, what it is); RELEASE_FACTS' rows."""
+
+SELF_P2P_FIXED = next(v for v in MINORS if not RELEASE_FACTS["self warm-up sends"].outcomes[v])
 """From this torch on, no stage posts a warm-up send to its own rank (see the module docstring)."""
 
 RUNTIME = "torch.distributed.pipelining.schedules._PipelineScheduleRuntime"
@@ -110,12 +113,25 @@ def text(v: tuple[int, int]) -> str:
     return f"{v[0]}.{v[1]}"
 
 
+def fact(name: str, version=None):
+    """The outcome of the fact `name` (a key of RELEASE_FACTS) on `version` ('2.13.0+cpu', (2, 13); None: the
+    installed torch), as measured on torch 2.11 to 2.15. A release newer than the newest tested gets the
+    newest's outcome (`labkit doctor` warns that it is untested); an older one is refused."""
+    if name not in RELEASE_FACTS:
+        raise KeyError(f"Unknown release fact {name!r}; labkit.versions.RELEASE_FACTS has {', '.join(RELEASE_FACTS)}.")
+    v = installed() if version is None else parse(version) if isinstance(version, str) else tuple(version[:2])
+    if v < MINORS[0]:
+        raise ValueError(f"torch {text(v)} is older than {text(MINORS[0])}, the oldest the kit supports: "
+                         f"pip install 'torch>={text(MINORS[0])}'")
+    return RELEASE_FACTS[name].outcomes[min(v, MINORS[-1])]
+
+
 def has(feature: str) -> bool:
-    """Whether the installed torch has `feature` (a key of FEATURES: what torch 2.14 and 2.15 added to
-    torch 2.11's pipelining)."""
+    """Whether the installed torch has `feature` (a key of FEATURES: an API that torch 2.13, 2.14 or 2.15
+    added to torch 2.11's pipelining; a row of RELEASE_FACTS)."""
     if feature not in FEATURES:
         raise KeyError(f"Unknown feature {feature!r}; the kit knows {', '.join(FEATURES)}.")
-    return installed() >= FEATURES[feature][0]
+    return bool(fact(feature))
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -158,7 +174,7 @@ def apply_workarounds() -> list[str]:
     patches applied. Covers torch 2.11 to 2.14 (`_PipelineStageBase._get_init_p2p_neighbors_ops`,
     private); does nothing on torch 2.15 and later. Idempotent and cheap: call it wherever stages are
     built."""
-    if installed() >= SELF_P2P_FIXED:
+    if not fact("self warm-up sends"):
         return []
     base = stage_base_class()
     original = getattr(base, "_get_init_p2p_neighbors_ops", None)
@@ -170,8 +186,8 @@ def apply_workarounds() -> list[str]:
         return drop_self_p2p(original(self), self.group_rank)
 
     base._get_init_p2p_neighbors_ops = without_self
-    return ["no warm-up send of a rank to itself (V schedules on gloo with torch < 2.13, traced stages "
-            "sharing a rank with torch < 2.15)"]
+    return ["no warm-up send of a rank to itself (stages sharing a rank on gloo: every stage with torch 2.11, "
+            "traced stages with 2.12 to 2.14)"]
 
 
 # ---- torch's private API: every use of it in the kit goes through one of these ----
@@ -369,6 +385,17 @@ def dynamo_counters() -> dict:
             "graph_breaks": len(reasons) if reasons is not None else int(sum(counters.get("graph_break", {}).values())),
             "compiles": {k: int(v) for k, v in list(per_frame.items()) if isinstance(k, int)},
             "limit_hits": hits, "limits": limits}
+
+
+def compiled_module(module) -> bool:
+    """Whether torch.compile wraps `module` or a module inside it, for `labkit.spans.compiled` (is this
+    stage's compiled code what runs?): `torch.compile(m)` returns an `OptimizedModule`
+    (torch._dynamo.eval_frame), `m.compile()` compiles in place and sets nn.Module's
+    `_compiled_call_impl`. Private, both; the same in torch 2.11 to 2.15. False for anything else."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
 
 
 def clean_exit_is_done() -> None:
