@@ -10,33 +10,17 @@ from __future__ import annotations
 import tempfile
 import textwrap
 
-from .check_cost import _mb
+from .check_cost import CHECK_SETUP, _mb
 
 SCALE_HEADING = "labkit/worker/stagewise.py at scale: a 1B-parameter Llama checked over 4 CPU ranks"
 SCALE_SIZES = {"dim": 2048, "n_layers": 14, "n_heads": 16, "vocab": 8192, "batch": 4, "seq": 64, "microbatches": 4,
                "dtype": "bfloat16"}
 """0.97B parameters. In bfloat16: in float32 the ranks' stages, slices and gradients alone would hold 12 GB, and
 the check's peak (about twice the step's, measured at 0.22B) would take the 4 ranks past this machine's 24 GB."""
-SCALE_SETUP = textwrap.dedent("""
-    import ctypes, dataclasses, gc, re, time
-    import torch, torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    import labkit, labkit.worker
+# the check's cost's imports and measurement on the rank (rss, measured), then the scale's own
+SCALE_SETUP = CHECK_SETUP + textwrap.dedent("""
     from labkit import PRESETS
     from labkit.models import hf
-
-    def rss():
-        s = open("/proc/self/status").read()
-        return tuple(int(re.search(k + r":\\s+(\\d+) kB", s).group(1)) * 1024 for k in ("VmRSS", "VmHWM"))
-
-    def measured(fn):
-        gc.collect(); ctypes.CDLL(None).malloc_trim(0); dist.barrier()
-        before = rss()[0]
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        t, cpu = time.perf_counter(), time.process_time()
-        out = fn()
-        return out, {"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu, "peak_bytes": rss()[1] - before}
 
     def scale_round(dim, n_layers, n_heads, vocab, batch, seq, microbatches, dtype="float32"):
         pre = dataclasses.replace(PRESETS["small"], dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab,
