@@ -181,8 +181,10 @@ def _check_cost_reading(cc: dict, ranks: list[dict]) -> str:
             f"and {ratio('check_stages', 'step', 'peak_bytes')}. check_step runs the whole model on every rank three "
             "times on the whole batch (whole batch, microbatched, and a float64 copy); its peak is mostly those "
             "references' activations (the float64 run's at twice float32's bytes), far above the parameters' "
-            "bytes. check_stages runs the same three references on each rank's slice only (a float64 copy of the "
-            f"slice), chained along the pipeline: its peak was {ratio('check_stages', 'check_step', 'peak_bytes')} "
+            "bytes. check_stages runs the same three references on each rank's slice only, layer by layer (each "
+            "layer checkpointed, the microbatched one a microbatch at a time, the float64 one cast as each module "
+            "runs, each gradient read as it is made: labkit.worker.lean), chained along the pipeline: its peak was "
+            f"{ratio('check_stages', 'check_step', 'peak_bytes')} "
             f"of check_step's and its CPU time {ratio('check_stages', 'check_step', 'cpu_s')}, since it follows the "
             f"stage, not the model; its wall time {ratio('check_stages', 'check_step', 's')}, since a rank waits "
             "while the other runs its part of the chain, where check_step's ranks compute side by side.")
