@@ -190,6 +190,10 @@ class Slowdown(SlowdownText):
             if c == "compute":
                 return max([way * self._size("compute")] + [way * self._size(k) for k in stages])
             return way * self._size(c)
+        # a cause beyond its noise but smaller than a change that is not (a machine whose rounds scatter) is not
+        # what made the step slower: not headlined (a stage that grew always is: `stages`)
+        unsettled = max((way * d for c in CAUSES if c not in out and (d := self._size(c)) is not None), default=0.0)
+        out = [c for c in out if (c == "compute" and stages) or size(c) >= unsettled]
         return sorted(out, key=size, reverse=True)
 
     @property
