@@ -13,7 +13,7 @@ other figure's floor gets one more rounding of its own (a compiled neighbour's r
 through the activations and gradients it sends). A bug in the stage's code is in both runs: the probe
 measures compilation, nothing else. The figures say so (`Figure.compiled`).
 
-May import: torch, labkit.worker (boundaries)."""
+May import: torch, labkit.worker (boundaries, located, noise)."""
 
 from __future__ import annotations
 
@@ -84,17 +84,12 @@ def probes_for_check_step(c) -> dict:
     0 alone in the step's dtype, each cut's input and gradient recorded (as labkit.worker.located finds a
     stage's cut), and each compiled stage of this rank probed there. {(stage, unsplit model's name): what
     compiling changed}; (last stage, ""): the loss."""
-    import torch.distributed as dist
-
-    from .boundaries import Recorder, held_modules, stage_names, stage_rename
+    from .boundaries import Recorder, stage_names
+    from .located import held_by_stage
     from .noise import autocast_ctx, chunk_kwargs, reference_copy
 
     m, d = c.n_microbatches, c.chunk_dim
-    renames = {int(s.stage_index): stage_rename(s, c.prefix_stage_index, c.renamed) for s in c.stages}
-    mine = {k: held_modules(s.submod, renames[k]) for s in c.stages for k in [int(s.stage_index)]}
-    held = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(held, mine, group=c.group)
-    names = {k: set(v) for h in held for k, v in h.items()}
+    _, names = held_by_stage(c)
     n_stages = max(names) + 1
     compiled = [s for s in c.stages if is_compiled(s.submod)]
     if not compiled or c.loss_fn is None:

@@ -56,6 +56,19 @@ def located_step(c, figures: list[Figure], said: str) -> str:
     return say(departures, figures, said, fed=fed)
 
 
+def held_by_stage(c) -> tuple[dict, dict]:
+    """Collective over the pipeline (check_step's `_Call` c): this rank's name maps of its stages to the
+    unsplit model's ({stage: rename}), and every stage's modules by the unsplit model's names ({stage:
+    set}), every rank's gathered: where each stage's cut lies in a run of the unsplit model."""
+    import torch.distributed as dist
+
+    renames = {int(s.stage_index): stage_rename(s, c.prefix_stage_index, c.renamed) for s in c.stages}
+    mine = {k: held_modules(s.submod, renames[k]) for s in c.stages for k in [int(s.stage_index)]}
+    held = [None] * dist.get_world_size(c.group)
+    dist.all_gather_object(held, mine, group=c.group)
+    return renames, {k: set(v) for h in held for k, v in h.items()}
+
+
 def localise_full(c) -> tuple[list[Departure], list[Figure]]:
     """Collective over the pipeline (check_step's `_Call` c, the whole unsplit model on every rank):
     this rank's stages replayed against a float64 run of the unsplit model; every rank gets every
@@ -64,11 +77,7 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
 
     from .noise import reference_copy
 
-    renames = {int(s.stage_index): stage_rename(s, c.prefix_stage_index, c.renamed) for s in c.stages}
-    mine = {k: held_modules(s.submod, renames[k]) for s in c.stages for k in [int(s.stage_index)]}
-    held = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(held, mine, group=c.group)
-    names = {k: set(v) for h in held for k, v in h.items()}
+    renames, names = held_by_stage(c)
     deps, figs = [], []
     try:
         full64 = reference_copy(c.full).double().to(c.device)
