@@ -381,8 +381,10 @@ class BusyLoad:
         self.n, self.procs = n, []
 
     def __enter__(self) -> "BusyLoad":
+        # each in its own session, as other programs on a laptop are: Linux's autogroup shares the CPU
+        # between sessions first, and spinners in dev.py's one session weighed as a single program
         self.procs = [subprocess.Popen([sys.executable, "-c", SPINNER.format(parent=os.getpid())],
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
                       for _ in range(self.n)]
         print(f"(under load: {self.n} busy processes, one per core, run beside the tests at normal priority: "
               f"pids {' '.join(str(p.pid) for p in self.procs)})", flush=True)

@@ -86,7 +86,11 @@ STEPS, ROUNDS = 10, 5  # one step is ~20 ms: a timer tick or a kernel thread mov
 
 
 def _measure(pool, loops: int):
-    busy = [subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+    # each loop in its own session, as another program is: Linux's autogroup shares the CPU between
+    # sessions first, and loops started in pytest's one session weighed as one program (every rank is in
+    # its own, torchrun's): beside them a rank lost 0.23 of its step, as without them (CI, 3 rounds of 5)
+    busy = [subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE,
+                             start_new_session=True)
             for _ in range(loops)]
     try:
         for p in busy:  # each loop runs before the steps start (a busy machine starts a Python slowly)
