@@ -67,3 +67,83 @@ def test_the_opening_check_stops_at_prerequisites_and_details():
     assert opening_lines(text) == ("# 99 · Title", ["**What you will do:** a", "b", "**What you will have at the end:** c"])
     assert opening_lines("# T\n\na\n\n<details><summary>More</summary>\n\nb\n</details>")[1] == ["a"]
     assert len(opening_lines("# T\n" + "line\n" * 7 + "**Prerequisites**")[1]) == 7
+
+
+# Issue 59, item 5: notebooks 06b, 11 and 14 read as questions answered. Each numbered section ("## N. ...")
+# asks one question in its heading and answers it first ("**Answer:** ..."), in at most ANSWER_LINES lines
+# of prose before its first code cell (fine print goes after the demonstration, or into a <details>
+# block); each code cell's stored text is at most OUTPUT_LINES lines of at most OUTPUT_WIDTH characters
+# (`labkit.notebook.wrapped` wraps the kit's long sentences).
+ANSWERED = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "11", "14")]
+ANSWER_LINES, OUTPUT_LINES, OUTPUT_WIDTH = 12, 20, 160
+SECTION = re.compile(r"^## +\d+\. +(.*)$", re.MULTILINE)
+DETAILS = re.compile(r"<details\b.*?</details>", re.DOTALL)
+
+
+def sections(cells: list[dict]) -> list[tuple[str, str, list[dict]]]:
+    """Each numbered section: its heading, the prose from the heading to its first code cell, its cells."""
+    out = []
+    for c in cells:
+        text = "".join(c["source"])
+        m = SECTION.search(text) if c["cell_type"] == "markdown" else None
+        if m:
+            out.append((m.group(1).strip(), text[m.end():], [c]))
+        elif out:
+            heading, prose, body = out[-1]
+            if c["cell_type"] == "markdown" and all(b["cell_type"] == "markdown" for b in body):
+                prose += "\n" + text
+            out[-1] = (heading, prose, body + [c])
+    return out
+
+
+def stored_text(cell: dict) -> str:
+    """A code cell's stored text: streams, and text/plain results that are not a figure's."""
+    parts = []
+    for o in cell.get("outputs", []):
+        if "text" in o:
+            parts.append("".join(o["text"]))
+        elif "data" in o and "text/plain" in o["data"] and not any(k.startswith("image/") for k in o["data"]):
+            parts.append("".join(o["data"]["text/plain"]))
+    return "".join(parts)
+
+
+def _cells(notebook: Path) -> list[dict]:
+    return json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+
+
+@pytest.mark.parametrize("notebook", ANSWERED, ids=[p.stem for p in ANSWERED])
+def test_each_section_asks_one_question_and_answers_it_first(notebook):
+    found = sections(_cells(notebook))
+    assert len(found) >= 3, f"{notebook.name}: {len(found)} numbered sections ('## N. A question?')"
+    for heading, prose, _ in found:
+        assert heading.endswith("?") and heading.count("?") == 1, (
+            f"{notebook.name}: section '{heading}' is not one question: its heading asks what the section answers")
+        lines = [ln for ln in DETAILS.sub("", prose).splitlines() if ln.strip()]
+        assert lines and lines[0].startswith("**Answer:**"), (
+            f"{notebook.name}: section '{heading}' does not answer first: its first line after the heading "
+            f"is {lines[:1]}, not '**Answer:** ...'")
+        assert len(lines) <= ANSWER_LINES, (
+            f"{notebook.name}: section '{heading}' has {len(lines)} lines of prose before its first code cell "
+            f"(at most {ANSWER_LINES}: the answer, then the demonstration; move the fine print after it or into "
+            "a <details> block)")
+
+
+@pytest.mark.parametrize("notebook", ANSWERED, ids=[p.stem for p in ANSWERED])
+def test_each_stored_output_is_short_enough_to_read(notebook):
+    for i, cell in enumerate(_cells(notebook)):
+        lines = stored_text(cell).splitlines() if cell["cell_type"] == "code" else []
+        assert len(lines) <= OUTPUT_LINES, (
+            f"{notebook.name}: cell {i} stored {len(lines)} lines of output (at most {OUTPUT_LINES}): print "
+            "the figure the lesson needs, or a table of it")
+        wide = [ln for ln in lines if len(ln) > OUTPUT_WIDTH]
+        assert not wide, (f"{notebook.name}: cell {i} stored a line of {len(wide[0])} characters (at most "
+                          f"{OUTPUT_WIDTH}): print it through labkit.notebook.wrapped")
+
+
+def test_the_section_reader_finds_prose_and_outputs():
+    md = lambda s: {"cell_type": "markdown", "source": [s]}
+    code = {"cell_type": "code", "source": ["x"], "outputs": [
+        {"name": "stdout", "text": ["a\n", "b\n"]}, {"data": {"image/png": "..", "text/plain": ["<Figure>"]}}]}
+    found = sections([md("# T"), md("## 1. Why?\n\n**Answer:** so."), md("more"), code, md("after")])
+    assert [(h, p.split()) for h, p, _ in found] == [("Why?", ["**Answer:**", "so.", "more"])]
+    assert len(found[0][2]) == 4 and stored_text(code) == "a\nb\n"

@@ -28,7 +28,7 @@ from ..schedules.orders import format_order, order_csv, peak_in_flight, rank_ord
 
 __all__ = [
     "setup", "default_device", "pick_preset", "tree", "facts", "solution", "compress_names", "pipe_summary",
-    "rank_locations", "stack_frames",
+    "rank_locations", "stack_frames", "wrapped",
     # owned by labkit.schedules.orders and labkit.worker.memory, imported from here by the notebooks
     "format_order", "order_csv", "peak_in_flight", "rank_orders", "torch_actions", "param_groups",
     "saved_activation_bytes", "shown",
@@ -60,6 +60,16 @@ def setup(seed: int = 0) -> dict:
 
     report = doctor()
     return {"device": report["default_device"], "gpus": report["gpus"], "torch": report["packages"]["torch"]}
+
+
+def wrapped(text: str, width: int = 110, indent: str = "  ") -> str:
+    """A long sentence of the kit's (a verdict, a slowdown's explanation) as lines of at most `width`
+    characters, each line of `text` wrapped on its own and continued with `indent`, so a stored output
+    reads on a page (notebooks 06b, 11, 14: their test holds every stored line to 160 characters)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width, subsequent_indent=indent, break_on_hyphens=False) or line
+                     for line in str(text).splitlines())
 
 
 def default_device() -> str:
