@@ -9,7 +9,8 @@ from ..core import exports as _exports
 __getattr__, __dir__, __all__ = _exports(__name__, {
     ".helpers": ("compress_names", "default_device", "facts", "format_order", "order_csv", "param_groups",
                  "peak_in_flight", "pick_preset", "pipe_summary", "rank_locations", "rank_orders",
-                 "saved_activation_bytes", "setup", "shown", "solution", "stack_frames", "torch_actions", "tree", "wrapped"),
+                 "saved_activation_bytes", "setup", "shown", "solution", "stack_frames", "torch_actions", "tree",
+                 "wrapped"),
     "..schedules.orders": ("rank_peak_bytes", "rank_peak_in_flight"),
     "..doctor": ("doctor", "format_report"),
 })

@@ -86,22 +86,47 @@ def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tens
     that frees each reference's tensors as soon as it has read them, labkit.worker.stagewise). `compiled`:
     the pipeline has a compiled stage: what compiling measured for this tensor (0: nothing measured), taken
     with one more rounding of the reference's own into the floor (labkit.worker.compiled_floor)."""
-    p, r = (t.detach().to(ref.device, torch.float64) for t in (pipelined, ref))
-    scale = float(r.abs().max()) if r.numel() else 0.0
+    scale, err, rr, pr = _stats(pipelined, ref)
     if reorder is None:
-        reorder = float((probe.detach().to(ref.device, torch.float64) - r).abs().max()) if r.numel() else 0.0
+        reorder = max_abs_diff(probe, ref)
     if own is None:
-        own = float((truth.detach().to(ref.device, torch.float64) - r).abs().max()) \
-            if truth is not None and r.numel() else None
+        own = max_abs_diff(truth, ref) if truth is not None else None
     noise = reorder if own is None else min(reorder, own)  # the reference's own error: no cut of the batch fakes it
     if compiled is not None:  # a compiled pipeline: one more rounding of its own, or what compiling measured here
         compiled = max(reorder if own is None else own, compiled)
         noise += compiled
     floor = max(noise + MIN_FLOOR_ULPS * terms * eps_of(dtype or ref.dtype) * scale, torch.finfo(torch.float64).tiny)
-    err = float((p - r).abs().max()) if r.numel() else 0.0
-    rr = float((r * r).sum())
-    fit = float((p * r).sum()) / rr if rr > 0 else 1.0
+    fit = pr / rr if rr > 0 else 1.0
     return Figure(kind, name, stage, err, floor, scale, err / floor, fit, reorder, own, compiled)
+
+
+CHUNK = 1 << 20
+"""Elements per float64 piece of a figure: a large tensor (an embedding's gradient) is compared in pieces,
+never as whole float64 copies of it and its reference (labkit.worker.stagewise's memory, bench/RESULTS.md)."""
+
+
+def _pieces(a: torch.Tensor, b: torch.Tensor):
+    """(a, b) flattened on b's device, in float64 pieces of CHUNK elements."""
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape:  # compared as the tensors broadcast (a loss against its 0-d reference)
+        a, b = torch.broadcast_tensors(a.to(b.device), b)
+    a, b = a.reshape(-1), b.reshape(-1)
+    for i in range(0, b.numel(), CHUNK):
+        yield a[i:i + CHUNK].to(b.device, torch.float64), b[i:i + CHUNK].to(torch.float64)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64, piece by piece (0.0 for an empty tensor)."""
+    return max((float((x - y).abs().max()) for x, y in _pieces(a, b)), default=0.0)
+
+
+def _stats(p: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, float]:
+    """max |r|, max |p - r|, sum r*r and sum p*r in float64, piece by piece (zeros for an empty tensor)."""
+    scale = err = rr = pr = 0.0
+    for x, y in _pieces(p, r):
+        scale, err = max(scale, float(y.abs().max())), max(err, float((x - y).abs().max()))
+        rr, pr = rr + float((y * y).sum()), pr + float((x * y).sum())
+    return scale, err, rr, pr
 
 
 def reference_copy(model: nn.Module) -> nn.Module:

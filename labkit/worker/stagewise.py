@@ -11,8 +11,11 @@ chains, as check_step's three references (labkit.worker.noise): in the step's dt
 judged against their measured floors as check_step judges them; a failure is localised by the same
 float64 replay of each stage on T's input at its cut (labkit.worker.boundaries), against the slice.
 
-No rank holds more than its own slices, their float64 copies, the step-dtype references' graphs of
-its own slices and the whole-batch activations at its own cuts. Taught in notebook 09b.
+No rank holds more than its own slices, one reference's gradients of them (C's sums, then R's: R reads
+C's against its own as it makes each and frees it), one block's graph at a time (labkit.worker.lean:
+each block checkpointed, T cast to float64 module by module as it runs, each gradient read as it is
+made) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
+bench/RESULTS.md.
 
 May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."""
 
@@ -26,10 +29,10 @@ import torch.nn as nn
 
 from .boundaries import Cut, Departure, Recorder, _why, first_tensor, name_map, replay_stage, step_loss, up64
 from .compiled_floor import is_compiled, probe
-from .lean import checkpointed, copy64, copy_to, read_as_made
+from .lean import checkpointed, copy64, copy_to, give_back, read_as_made
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
 from .located import fed_wrong, modules_that_ran, say, value_diff, why_no_grad
-from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, where
+from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, max_abs_diff, where
 from .reference import Check
 
 
@@ -54,7 +57,12 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
     run = _Run(dict(slices), list(stages), x, y, list(losses or []), n_microbatches, loss_fn, autocast,
                kwargs or {}, torch.device(device), chunk_dim, group)
     _agree(run)
-    refs = {"R": _chain(run, "R")}
+    # C first, its gradients summed; R reads each of them against its own as it makes it and frees it, so that
+    # a rank never holds two references' gradients at once (labkit.worker.lean; bench/RESULTS.md)
+    refs = {"C": _chain(run, "C")}
+    give_back()
+    refs["R"] = _chain(run, "R", against=refs["C"])
+    give_back()
     if run.compiled is not None:
         for k, (a0, kw0, grad0, loss0) in refs["R"].mb0.items():
             s = run.stage(k)
@@ -62,7 +70,8 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
                 got = probe(s.submod, a0, kw0, grad0, loss0, autocast_ctx(run.device, run.autocast))
                 run.compiled.update({(k, canonical(n)): v for n, v in got.items()})
         refs["R"].mb0.clear()
-    refs.update({mode: _chain(run, mode, against=refs["R"]) for mode in ("C", "T")})
+    refs["T"] = _chain(run, "T", against=refs["R"])
+    give_back()
     return _decide(run, refs)
 
 
@@ -152,15 +161,15 @@ def _agree(run: _Run) -> None:
 @dataclass
 class _Chain:
     """One reference chain's results on this rank: the losses (last stage), each of its slices'
-    gradients (R) or only what the figures read of them against R's (C: max|C - R|, T: max|T - R|, per
-    parameter: each freed as soon as it is read), and, for T, what the replay of a failed check needs
-    at each of its cuts."""
+    gradients (R; C's summed over its microbatches until R reads them) or only what the figures read of
+    them against R's (C: max|C - R|, T: max|T - R|, per parameter: each freed as soon as it is read), and,
+    for T, what the replay of a failed check needs at each of its cuts."""
 
     losses: list[float] = field(default_factory=list)
     grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    """{(stage index, parameter name in the slice): its gradient} (R only)."""
+    """{(stage index, parameter name in the slice): its gradient} (R; C's sums until R has read them)."""
     diffs: dict[tuple[int, str], float] = field(default_factory=dict)
-    """{(stage index, name): max |this chain's gradient - R's|} (C and T)."""
+    """{(stage index, name): max |this chain's gradient - R's|} (C, filled by R, and T)."""
     cuts: dict[int, Cut] = field(default_factory=dict)
     mb0: dict[int, tuple] = field(default_factory=dict)
     """R, where a stage is compiled: {stage: (microbatch 0's input at its cut, its kwargs, the gradient at
@@ -181,13 +190,14 @@ def _recv(run: _Run, k: int, device):
 
 
 def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
-    """The unsplit model run along the pipeline on the whole batch: "R" in the step's dtype and autocast,
-    "C" microbatch by microbatch (one microbatch's graph at a time, its gradients summed, then over the
-    microbatch count, as the schedules' scale_grads), "T" in float64. Activations go forward from stage to
-    stage, their gradients back. The whole-batch chains keep only each block's input in their graph
-    (`lean.checkpointed`: each block recomputed in the backward, the same numbers). C and T read their
-    gradients against R's (`against`) and keep only those differences. On a GPU, C and T run on the host
-    (the device then holds only R's graph: labkit.worker.inputs' docstring)."""
+    """The unsplit model run along the pipeline on the whole batch: "C" microbatch by microbatch (one
+    microbatch's graph at a time, its gradients summed as made, one buffer a parameter), "R" in the step's
+    dtype and autocast (it keeps its gradients, reading C's sums against each as it makes it: `against`),
+    "T" in float64 (read against R's, `against`, keeping only the differences). Activations go forward from
+    stage to stage, their gradients back. The whole-batch chains keep only each block's input in their
+    graph (`lean.checkpointed`: each block recomputed in the backward, the same numbers). On a GPU, C and T
+    run on the host, and R keeps its gradients there (the device then holds only R's graph:
+    labkit.worker.inputs' docstring)."""
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
@@ -197,42 +207,54 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
     ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
     if mode != "C":
-        on_grad = (lambda key, g: out.diffs.__setitem__(key, _diff(g, against.grads.get(key)))) \
-            if mode == "T" and against is not None else None
+        on_grad = _keep_reading(out, against, m) if mode == "R" else \
+            (lambda key, g: out.diffs.__setitem__(key, _diff(g, against.grads.get(key))))
         with checkpointed(mods, upcast=mode == "T", seen=run.seen):
-            out.grads = _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d),
-                                                                                           y.chunk(m, dim=d))],
-                              ctx, dev, out, cuts=mode == "T", y=y, on_grad=on_grad, mode_r=mode == "R")
+            _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d), y.chunk(m, dim=d))],
+                  ctx, dev, out, on_grad, cuts=mode == "T", y=y, mode_r=mode == "R")
+        if mode == "R":  # C's sums for parameters R gave no gradient: not compared (nan), freed
+            against.diffs.update({key: float("nan") for key in against.grads})
+            against.grads.clear()
         return out
     size = x.shape[d] if torch.is_tensor(x) and x.dim() > d else 0
-    acc, xs, ys = {}, x.chunk(m, dim=d), y.chunk(m, dim=d)
+    xs, ys, acc = x.chunk(m, dim=d), y.chunk(m, dim=d), out.grads
 
     def add(key, g):  # each microbatch's gradient summed as the backward makes it (one buffer a parameter)
         acc[key] = acc[key].add_(g) if key in acc else g
 
     for i, kwi in enumerate(chunk_kwargs(kw, size, m, d)):
         part = _Chain()
-        _pass(run, mods, xs[i], kwi, lambda o, i=i: [run.loss_fn(o, ys[i])], ctx, dev, part, mean=False, on_grad=add)
+        _pass(run, mods, xs[i], kwi, lambda o, i=i: [run.loss_fn(o, ys[i])], ctx, dev, part, add, mean=False)
         out.losses += part.losses
-    for key in list(acc):  # over the microbatch count, as the schedules' scale_grads; read against R's, freed
-        out.diffs[key] = _diff(acc.pop(key).div_(m), against.grads.get(key) if against else None)
     return out
 
 
+def _keep_reading(out: _Chain, summed: _Chain, m: int):
+    """R's on_grad: each gradient kept (on the host when R runs on a GPU), and C's sum for the same parameter
+    read against it, over the microbatch count as the schedules' scale_grads, then freed."""
+    def on_grad(key, g):
+        g = g.detach().cpu() if g.device.type == "cuda" else g.detach()
+        out.grads[key] = g
+        c = summed.grads.pop(key, None)
+        if c is not None:
+            summed.diffs[key] = _diff(c.div_(m), g)
+    return on_grad
+
+
 def _diff(g, r) -> float:
-    """max |g - r| in float64 (0.0 for an empty tensor; nan where R has no gradient: not compared)."""
-    if r is None:
-        return float("nan")
-    return float((g.to(r.device, torch.float64) - r.double()).abs().max()) if r.numel() else 0.0
+    """max |g - r| in float64, piece by piece (0.0 for an empty tensor; nan where R has no gradient: not
+    compared)."""
+    return float("nan") if r is None else max_abs_diff(g, r)
 
 
-def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, cuts: bool = False, y=None,
-          mean: bool = True, on_grad=None, mode_r: bool = False) -> dict:
+def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, on_grad, cuts: bool = False,
+          y=None, mean: bool = True, mode_r: bool = False) -> None:
     """One forward and backward of this rank's slices along the chain on one input (the whole batch or a
-    microbatch): the losses into `out` (last stage), T's cuts when `cuts`; returns {(stage, name): grad}.
-    `on_grad(key, gradient)`: each parameter's gradient handed over the moment the backward has it, then
-    dropped (`lean.read_as_made`): none is kept here, {} is returned."""
-    me, graph, grads = dist.get_rank(run.group), {}, {}
+    microbatch): the losses into `out` (last stage), T's cuts when `cuts`. `on_grad(key, gradient)`: each
+    parameter's gradient handed over the moment the backward has it, then dropped by the parameter
+    (`lean.read_as_made`), keyed by (stage, name): two stages of one rank may name their parameters alike
+    (each built from one block class: 'lin.weight' on stage 0 and on stage 4), and never share one."""
+    me, graph = dist.get_rank(run.group), {}
     for k in range(run.n_stages):
         if run.holders[k] != me:
             continue
@@ -257,18 +279,7 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             root = o
         params = [(n, p) for n, p in mods[k].named_parameters() if p.requires_grad]
         leaves = [a] if k > 0 and a.requires_grad else []
-        if on_grad is not None:
-            a_grad = read_as_made(k, root, grad_out, leaves, params, on_grad)
-        else:
-            got = torch.autograd.grad([root], leaves + [p for _, p in params],
-                                      None if grad_out is None else [grad_out], allow_unused=True)
-            a_grad = got[0] if leaves else None
-            # keyed by (stage, name): two stages of one rank may name their parameters alike (each built from
-            # one block class: 'lin.weight' on stage 0 and on stage 4), and must never share a gradient
-            # R on a GPU keeps its gradients on the host: the device holds only its graph while it runs
-            keep = (lambda g: g.detach().cpu()) if mode_r and dev.type == "cuda" else (lambda g: g.detach())
-            grads.update({(k, canonical(n)): keep(g) for (n, _), g in zip(params, got[len(leaves):])
-                          if g is not None})
+        a_grad = read_as_made(k, root, grad_out, leaves, params, on_grad)
         graph[k] = (a, None, a_grad)
         if run.compiled is not None and mode_r:
             m, d, last = run.n_microbatches, run.chunk_dim, k + 1 == run.n_stages
@@ -281,9 +292,10 @@ def _pass(run: _Run, mods: dict, x, kw: dict, losses_of, ctx, dev, out: _Chain, 
             _send(run, a_grad.detach().cpu() if a_grad is not None else None, k - 1)
         if cuts:
             last = k + 1 == run.n_stages
-            out.cuts[k] = Cut(a.detach(), kw, o.detach(), None if last else grad_out,
+            # the output at the cut is not kept: a failed check's replay recomputes it (`_located`), a passing
+            # one never reads it (an LM's float64 logits)
+            out.cuts[k] = Cut(a.detach(), kw, None, None if last else grad_out,
                               step_loss(run.loss_fn, y, run.n_microbatches, run.chunk_dim) if last else None)
-    return grads
 
 
 def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str], int, float]:
@@ -367,6 +379,7 @@ def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
         try:
             with torch.enable_grad():
                 o = first_tensor(ref64(a, **cut.kwargs))
+                cut.out = o.detach()  # T's output at this cut: its slice in float64 on T's input
                 cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
         except Exception as e:  # noqa: BLE001
             deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {_why(e)}"))
