@@ -144,3 +144,39 @@ def test_a_bug_within_an_absolute_tolerance_is_still_named_as_outside_the_noise(
     assert any("outside float noise" in n and "1.3.bias" in n for n in out[1]), out[1]
     strict = pool.exec("_c = step(scale=1.0, bug=0.999)\n(_c.ok, _c.failure)")[0]
     assert strict[0] is False and "1.3.bias" in strict[1], strict
+
+
+def test_figures_compared_in_pieces_equal_the_whole_tensors(monkeypatch):
+    """A figure reads a large tensor in float64 pieces (labkit.worker.noise.CHUNK), never as whole float64
+    copies: the same error, scale, floor and fit as the whole tensors give."""
+    import labkit.worker.noise as noise
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(1000, 7, generator=g)
+    p, probe = r + 1e-6 * torch.randn(1000, 7, generator=g), r + 1e-7 * torch.randn(1000, 7, generator=g)
+    whole = figure("grad", "w", 0, p, r, probe, 4)
+    monkeypatch.setattr(noise, "CHUNK", 333)  # pieces that do not divide the tensor
+    pieces = figure("grad", "w", 0, p, r, probe, 4)
+    assert (pieces.err, pieces.scale, pieces.reorder) == (whole.err, whole.scale, whole.reorder)
+    assert pieces.floor == whole.floor and abs(pieces.fit - whole.fit) < 1e-12
+    assert pieces.err == float((p.double() - r.double()).abs().max())
+    assert noise.max_abs_diff(torch.tensor(2.0), torch.tensor([1.0, 3.0])) == 1.0  # broadcast as before
+    assert noise.max_abs_diff(torch.empty(0), torch.empty(0)) == 0.0
+
+
+def test_check_stages_holds_one_references_gradients_at_a_time():
+    """labkit.worker.stagewise: R reads C's summed gradient against each of its own as the backward makes
+    it, and frees C's: C's and R's together never hold more than one gradient a parameter."""
+    from labkit.worker.stagewise import _Chain, _keep_reading
+
+    m, g = 4, torch.Generator().manual_seed(1)
+    r = {(0, n): torch.randn(5, generator=g) for n in ("a", "b")}
+    c = _Chain(grads={k: (v + 1e-3) * m for k, v in r.items()} | {(1, "unused"): torch.ones(3)})
+    out = _Chain()
+    on_grad = _keep_reading(out, c, m)
+    held = []
+    for k, v in r.items():
+        on_grad(k, v.clone())
+        held.append(len(c.grads) + len(out.grads))
+    assert held == [3, 3] and set(out.grads) == set(r) and list(c.grads) == [(1, "unused")]
+    assert all(abs(c.diffs[k] - 1e-3) < 1e-6 for k in r)
