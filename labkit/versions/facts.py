@@ -98,7 +98,7 @@ RELEASE_FACTS = {f.name: f for f in (
          "running the notebook on each release.",
          {(2, 11): "_wait_batch_p2p", (2, 12): "send", (2, 13): "send", (2, 14): "send", (2, 15): "all_reduce"}),
     Fact("naive Llama trace with transformers 5.23",
-         "Notebook 11, section 6 (does the tracer cut a Llama as it cuts GPT-2?): pipeline() of the small Llama (use_cache=False, "
+         "Notebook 11, section 6 (the tracer on a Llama): pipeline() of the small Llama (use_cache=False, "
          "eager attention, cut at model.layers.2) with transformers 5.23, then its stages on one microbatch: "
          "where it fails ('pipeline()', or 'stage 0' when pipeline() returns a Pipe whose first stage cannot "
          "run). Measured by running the notebook on each release with transformers 5.23 (2.15 too, whose "
