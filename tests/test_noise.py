@@ -180,3 +180,18 @@ def test_check_stages_holds_one_references_gradients_at_a_time():
         held.append(len(c.grads) + len(out.grads))
     assert held == [3, 3] and set(out.grads) == set(r) and list(c.grads) == [(1, "unused")]
     assert all(abs(c.diffs[k] - 1e-3) < 1e-6 for k in r)
+
+
+def test_check_stages_truth_is_float32_only_where_the_step_computes_in_16_bits():
+    """labkit.worker.stagewise: T in float32 where every rank's step computes in bfloat16 or float16 (its
+    slices' parameters, or its autocast), float64 otherwise (a mixed slice too)."""
+    import copy
+
+    from labkit.worker.stagewise import _Run, _sixteen
+
+    lin = torch.nn.Linear(2, 2)
+    run = lambda sl, ac: _Run({0: sl}, [], None, None, [], 1, None, ac, {}, torch.device("cpu"), 0, None)  # noqa: E731
+    mixed = torch.nn.Sequential(copy.deepcopy(lin).bfloat16(), torch.nn.LayerNorm(2))
+    assert not _sixteen(run(lin, None)) and not _sixteen(run(mixed, None))
+    assert _sixteen(run(lin, torch.bfloat16)) and _sixteen(run(copy.deepcopy(lin).bfloat16(), None))
+    assert _sixteen(run(copy.deepcopy(lin).half(), None))

@@ -233,3 +233,26 @@ said, ok_after, fits.need_bytes(nn.Sequential(Block(), Block()))
     assert "check_step needs at least" in said and "labkit.worker.check_stages" in said, said
     assert ok_after
     assert need == 2 * (2 * 8 + 8 * 8 + 8) * (3 * 4 + 16)  # 2 blocks of LayerNorm(8) and Linear(8, 8), float32
+
+
+@pytest.mark.launches
+def test_a_replay_too_large_for_a_rank_is_said_not_killed(pool2):
+    """A failed check_stages places the bug by replaying each stage in float64 beside its slice; where that
+    replay cannot fit on a rank (fits.replay_too_large), the check still fails, and says what the replay
+    needs and how to place the bug, instead of an out-of-memory kill."""
+    code = """
+import labkit.worker.fits as fits
+_free, fits.free_bytes = fits.free_bytes, lambda device: 1_000   # a rank with 1 kB free
+try:
+    said = case("Schedule1F1B", 1, True, "stages", bug=1)
+finally:
+    fits.free_bytes = _free
+said, case("Schedule1F1B", 1, True, "stages", bug=1)
+"""
+    out = pool2.exec(code)
+    assert out[0] == out[1], "every rank gets the same verdict"
+    (ok, failure, compared), (ok_after, placed, _) = out[0]
+    assert not ok and compared and failure.startswith("stages 0, 1 could not be replayed on the reference's input "
+                                                      "(its replay needs about ") and "the verdict stands" in failure
+    assert "computes as" not in failure, failure  # a stage not replayed is not said to compute right
+    assert not ok_after and (placed.startswith("stage 1 departs at 1.") or placed.startswith("stage 1's output")), placed

@@ -9,6 +9,10 @@ before any activation (the estimate is a lower bound; the check says so). Free: 
 memory on a GPU (torch.cuda.mem_get_info), else MemAvailable of /proc/meminfo shared by the ranks of this
 machine (LOCAL_WORLD_SIZE: every rank runs its check at once).
 
+A failed check_stages places the bug by replaying each stage in float64 beside its slice
+(labkit.worker.boundaries): `replay_too_large` says before a replay starts when it cannot fit, and the
+verdict then stands without the module named, never an out-of-memory kill.
+
 May import: torch."""
 
 from __future__ import annotations
@@ -53,3 +57,26 @@ def too_large(full: torch.nn.Module, device) -> str:
             f"a copy, a float64 copy and three references' gradients, before their activations) and a rank has "
             f"{gib(free)} {where}: check this step with labkit.worker.check_stages, which holds only each rank's "
             f"slices of the model (notebook 09b), or check a smaller configuration of the same code.")
+
+
+def replay_need_bytes(modules: list, activation: torch.Tensor | None = None) -> int:
+    """What the float64 replay of one stage beside its slice holds (labkit.worker.boundaries): two float64
+    copies and their gradients, 32 bytes a floating parameter element, and every module's input and output
+    recorded for both, taken as 4 tensors of the stage's input `activation` (float64) a module (a lower
+    bound where a layer widens it: an MLP)."""
+    params = sum(32 * p.numel() for m in modules for p in m.parameters() if p.is_floating_point())
+    n_modules = sum(len(list(m.modules())) for m in modules)
+    act = 4 * 8 * activation.numel() * n_modules if torch.is_tensor(activation) else 0
+    return params + act
+
+
+def replay_too_large(modules: list, activation, device) -> str:
+    """'' when the replay of a stage fits on this rank; else why not, in the words of a Departure's detail."""
+    need, free = replay_need_bytes(modules, activation), free_bytes(device)
+    if free is None or need <= free:
+        return ""
+    size = lambda n: f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"  # noqa: E731
+    return (f"its replay needs about {size(need)} on this rank, float64 copies of the stage and of its "
+            f"slice, their gradients and every module's activations, and it has {size(free)} available: "
+            "the verdict stands; to place the bug by module, check a smaller configuration of the same code (fewer "
+            "layers a stage, a shorter batch) where it shows too")

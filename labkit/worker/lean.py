@@ -88,14 +88,15 @@ def copy64(module: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def checkpointed(modules: dict, upcast: bool = False, seen: set | None = None):
+def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | None = None):
     """Each block of `modules` ({stage: module}) runs under torch.utils.checkpoint while inside: a whole-batch
     reference then keeps each block's input, not its inner activations, and recomputes the block in the
     backward (the same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's
     layers and their parts, found from the top. Before each module runs, what the last one freed is handed
     back to the system (`give_back`).
 
-    `upcast`: the modules compute in float64 without a float64 copy of them: each module's own parameters
+    `upcast` (a dtype: float64, or float32 for a 16-bit step): the modules compute in it without a copy of
+    them in it: each module's own parameters
     and floating buffers are cast when it runs (hooks; again when its block is recomputed) and put back
     after, so only the running block's casts are alive; a module that does not run through its own call
     (a parent reads its weight) has its tensors cast for the whole forward. `seen`: {(stage, module
@@ -119,11 +120,11 @@ def checkpointed(modules: dict, upcast: bool = False, seen: set | None = None):
             for name, m in named:
                 mine = [(m, w, n) for w, n in _own(m)]
                 if mine and (seen is None or (k, name) in seen):
-                    handles += [m.register_forward_pre_hook(lambda mod, a, mine=mine: _swap(mine, orig, True)),
-                                m.register_forward_hook(lambda mod, a, o, mine=mine: _swap(mine, orig, False))]
+                    handles += [m.register_forward_pre_hook(lambda mod, a, mine=mine: _swap(mine, orig, upcast)),
+                                m.register_forward_hook(lambda mod, a, o, mine=mine: _swap(mine, orig, None))]
             if late:
-                handles += [module.register_forward_pre_hook(lambda mod, a, late=late: _swap(late, orig, True)),
-                            module.register_forward_hook(lambda mod, a, o, late=late: _swap(late, orig, False))]
+                handles += [module.register_forward_pre_hook(lambda mod, a, late=late: _swap(late, orig, upcast)),
+                            module.register_forward_hook(lambda mod, a, o, late=late: _swap(late, orig, None))]
         elif seen is not None:
             handles += [m.register_forward_hook(lambda mod, a, o, key=(k, n): seen.add(key)) for n, m in named]
     try:
@@ -151,12 +152,12 @@ def _own(m: nn.Module) -> list[tuple[str, str]]:
             if t is not None and t.is_floating_point()]
 
 
-def _swap(items: list, orig: dict, cast: bool) -> None:
-    """Each (module, "_parameters"/"_buffers", name) of `items` set to its own tensor's float64 cast (a
-    differentiable op), or back to its own tensor."""
+def _swap(items: list, orig: dict, dtype: torch.dtype | None) -> None:
+    """Each (module, "_parameters"/"_buffers", name) of `items` set to its own tensor's cast to `dtype` (a
+    differentiable op), or, with None, back to its own tensor."""
     for m, w, n in items:
         t = orig[id(m), w, n][1]
-        getattr(m, w)[n] = t.double() if cast else t
+        getattr(m, w)[n] = t.to(dtype) if dtype is not None else t
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:

@@ -1,9 +1,9 @@
 """What a failed check says: stage values held against the unsplit model's before anything else
 (`stage_values`, `value_diff`), and where the step departs (`located_step`: each stage replayed by
-labkit.worker.boundaries against a float64 run of the whole unsplit model; `say`: the sentence, for
-check_step and check_stages alike).
+labkit.worker.boundaries against a float64 run of the whole unsplit model; `located_stages`: against
+each rank's slices, check_stages; `say`: the sentence, for both).
 
-May import: torch, labkit.worker (noise, boundaries)."""
+May import: torch, labkit.worker (noise, boundaries, fits, lean)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import dataclasses
 
 import torch
 
-from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modules, replay_stage, sentence,
-                         stage_names, stage_rename, step_loss, up64)
-from .noise import Figure, travel_hint
+from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modules, name_map, replay_stage,
+                         sentence, stage_names, stage_rename, step_loss, up64)
+from .noise import Figure, canonical, travel_hint
 
 
 def say(departures: list[Departure], figures: list[Figure], said: str, reference: str = "the unsplit model",
@@ -31,6 +31,11 @@ def say(departures: list[Departure], figures: list[Figure], said: str, reference
             lead += (f": {'its module computes' if len(right) == 1 else 'their modules compute'} as {reference} "
                      f"when replayed on the reference's input (float64)")
         where = "; ".join(x for x in (lead, where) if x)
+    elif not departed and any(d.what == "unreplayed" for d in departures):  # not known to compute right
+        skipped = [d for d in departures if d.what == "unreplayed"]
+        stages = sorted({d.stage for d in skipped})
+        where = (f"{'stage' if len(stages) == 1 else 'stages'} {', '.join(map(str, stages))} could not be replayed "
+                 f"on the reference's input ({skipped[0].detail})")
     elif not departed:
         hint = travel_hint(figures) if fed is not None else \
             travel_hint(figures) + " (what each stage received was not recorded: a process the kit did not start)"
@@ -225,3 +230,58 @@ def why_no_grad(stage, own_name: str, ran: set[str] | None) -> str:
         return ("its module ran in the stage's forward but its output was cut off from the loss (a .detach(), "
                 "torch.no_grad(), a value replaced after it)")
     return "its module never ran in the stage's forward (a layer skipped or left out of the stage's forward)"
+
+
+def _cut64(run, cut: Cut, last: bool) -> Cut:
+    """T's cut in float64 on the slices' device, for the replay (T may have run in float32, on the host)."""
+    to64 = lambda v: up64(v).to(run.device) if torch.is_tensor(v) else v  # noqa: E731
+    loss = step_loss(run.loss_fn, to64(run.y), run.n_microbatches, run.chunk_dim) if last else None
+    return Cut(to64(cut.a_in), {n: to64(v) for n, v in cut.kwargs.items()}, None, to64(cut.grad_out), loss)
+
+
+def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
+    """check_stages' failure localised (its `_Run` run; `cuts`: {stage: T's Cut there}): each of this rank's
+    stages replayed in float64 on T's input at its cut, against its slice in float64 (collective: every
+    rank gets every departure), after what each stage received against the reference's cut
+    (labkit.worker.inputs). A replay that cannot fit on the rank is said, not run (labkit.worker.fits)."""
+    import torch.distributed as dist
+
+    from .fits import replay_too_large
+    from .lean import copy64
+
+    fed = fed_wrong(run.stages, run.x, run.kwargs, run.n_microbatches, run.chunk_dim, run.group)
+    deps, figs = [], []
+    for s in run.stages:
+        k = int(s.stage_index)
+        cut = _cut64(run, cuts[k], k + 1 == run.n_stages)
+        wide = cut.grad_out if torch.is_tensor(cut.grad_out) else cut.a_in  # stage 0's input: token ids
+        too_large = replay_too_large([run.slices[k], s.submod], wide, run.device)
+        if too_large:  # said instead of an out-of-memory kill (labkit.worker.fits)
+            deps.append(Departure(k, "unreplayed", "", detail=too_large))
+            continue
+        ref64 = copy64(run.slices[k])
+        rec = Recorder(ref64, lambda n: canonical(n + ".").rstrip(".") or None, keep_grad=True)
+        a = cut.a_in.clone().requires_grad_(k > 0 and cut.a_in.is_floating_point())
+        try:
+            with torch.enable_grad():
+                o = first_tensor(ref64(a, **cut.kwargs))
+                cut.out = o.detach()  # T's output at this cut: its slice in float64 on T's input
+                cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
+        except Exception as e:  # noqa: BLE001
+            deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {_why(e)}"))
+            continue
+        finally:
+            rec.remove()
+        pairs = [(n, canonical(n)) for n, _ in s.submod.named_parameters()]
+        truth_grads = {canonical(n): p.grad for n, p in ref64.named_parameters() if p.grad is not None}
+        try:
+            dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
+        except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
+            dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
+        deps += [dep] if dep is not None else []
+        figs += f
+    gathered = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
+    departures = [Departure(**d) for ds, _ in gathered for d in ds]
+    figures += [Figure(**f) for _, fs in gathered for f in fs]
+    return say(departures, figures, said, "its slice of the unsplit model", fed=fed)

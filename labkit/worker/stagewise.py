@@ -7,13 +7,14 @@ stage this rank holds to the user's own layers for that stage, computing as the 
 reference then runs as a chain along the pipeline, whole batch, stage after stage: each rank runs its
 slices and sends the activation at each cut to the next stage's rank, then the gradients back. Three
 chains, as check_step's three references (labkit.worker.noise): in the step's dtype and autocast
-(R), microbatch by microbatch (C), in float64 (T). The losses, every gradient and every value are
-judged against their measured floors as check_step judges them; a failure is localised by the same
-float64 replay of each stage on T's input at its cut (labkit.worker.boundaries), against the slice.
+(R), microbatch by microbatch (C), in float64 (T; float32 for a 16-bit step). The losses, every
+gradient and every value are judged against their measured floors as check_step judges them; a failure
+is localised by the same float64 replay of each stage on T's input at its cut (labkit.worker.boundaries,
+labkit.worker.located), against the slice.
 
 No rank holds more than its own slices, one reference's gradients of them (C's sums, then R's: R reads
 C's against its own as it makes each and frees it), one block's graph at a time (labkit.worker.lean:
-each block checkpointed, T cast to float64 module by module as it runs, each gradient read as it is
+each block checkpointed, T cast to its dtype module by module as it runs, each gradient read as it is
 made) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
 bench/RESULTS.md.
 
@@ -27,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .boundaries import Cut, Departure, Recorder, _why, first_tensor, name_map, replay_stage, step_loss, up64
+from .boundaries import Cut, first_tensor, step_loss
 from .compiled_floor import is_compiled, probe
-from .lean import checkpointed, copy64, copy_to, give_back, read_as_made
+from .lean import checkpointed, copy_to, give_back, read_as_made
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
-from .located import fed_wrong, modules_that_ran, say, value_diff, why_no_grad
+from .located import located_stages, modules_that_ran, value_diff, why_no_grad
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, max_abs_diff, where
 from .reference import Check
 
@@ -91,8 +92,10 @@ class _Run:
     group: object
     holders: dict = field(default_factory=dict)
     seen: set = field(default_factory=set)
-    """{(stage, module name of its slice)} that ran in R: the float64 chain casts each of them as it runs
+    """{(stage, module name of its slice)} that ran in R: T casts each of them as it runs
     (labkit.worker.lean.checkpointed)."""
+    truth_dtype: torch.dtype = torch.float64
+    """T's dtype: float64, or float32 where every rank's step computes in 16 bits (`_sixteen`)."""
     compiled: dict | None = None
     """None: no stage of the pipeline is compiled; else {(stage, name): what compiling changed in this
     rank's compiled stages' gradients ("" : the loss)}, labkit.worker.compiled_floor."""
@@ -140,7 +143,7 @@ def _agree(run: _Run) -> None:
               "chunks": sorted({int(c) for s in run.stages if (c := getattr(s, "chunks", None)) is not None}),
               "n_losses": len(run.losses), "has_output": False, "n_extra": 0,
               "batch": tuple(run.y.shape) if torch.is_tensor(run.y) else None, "slices": _slice_problems(run),
-              "compiled": any(is_compiled(s.submod) for s in run.stages)}
+              "compiled": any(is_compiled(s.submod) for s in run.stages), "sixteen": _sixteen(run)}
     reports = [None] * dist.get_world_size(run.group)
     dist.all_gather_object(reports, report, group=run.group)
     ranks = [dist.get_global_rank(run.group, r) if run.group is not None else r for r in range(len(reports))]
@@ -156,6 +159,17 @@ def _agree(run: _Run) -> None:
                              + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
     run.holders = {k: r for r, rep in enumerate(reports) for k in rep["stages"]}
     run.compiled = {} if any(rep["compiled"] for rep in reports) else None
+    run.truth_dtype = torch.float32 if all(rep["sixteen"] for rep in reports) else torch.float64
+
+
+def _sixteen(run: _Run) -> bool:
+    """Whether this rank's step computes in 16 bits (its slices' parameters, or its autocast): then T computes
+    in float32, whose rounding is 2^16 times finer than bfloat16's (2^13 than float16's), so R's own error
+    reads the same, in half float64's bytes (a 1B bfloat16 Llama: bench/RESULTS.md). T's gradients reach
+    the parameters rounded to their dtype either way (labkit.worker.lean.checkpointed)."""
+    low = (torch.bfloat16, torch.float16)
+    dtypes = {p.dtype for sl in run.slices.values() for p in sl.parameters() if p.is_floating_point()}
+    return run.autocast in low or (bool(dtypes) and dtypes <= set(low))
 
 
 @dataclass
@@ -193,23 +207,26 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     """The unsplit model run along the pipeline on the whole batch: "C" microbatch by microbatch (one
     microbatch's graph at a time, its gradients summed as made, one buffer a parameter), "R" in the step's
     dtype and autocast (it keeps its gradients, reading C's sums against each as it makes it: `against`),
-    "T" in float64 (read against R's, `against`, keeping only the differences). Activations go forward from
-    stage to stage, their gradients back. The whole-batch chains keep only each block's input in their
-    graph (`lean.checkpointed`: each block recomputed in the backward, the same numbers). On a GPU, C and T
+    "T" in run.truth_dtype (float64, or float32 for a 16-bit step; read against R's, `against`, keeping only
+    the differences). Activations go forward from stage to stage, their gradients back. The whole-batch
+    chains keep only each block's input in their graph (`lean.checkpointed`: each block recomputed in the
+    backward, the same numbers). On a GPU, C and T
     run on the host, and R keeps its gradients there (the device then holds only R's graph:
     labkit.worker.inputs' docstring)."""
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
-    # T computes in float64 without a float64 copy of the slices (lean.checkpointed(upcast=True))
+    # T computes in its dtype without a copy of the slices in it (lean.checkpointed(upcast=...))
     mods = {k: copy_to(sl, dev) if host else sl for k, sl in run.slices.items()}
-    move = lambda v: (up64(v) if mode == "T" else v).to(dev) if torch.is_tensor(v) else v  # noqa: E731
+    truth = run.truth_dtype if mode == "T" else None
+    move = lambda v: (v.to(truth) if truth is not None and v.is_floating_point() else v).to(dev) \
+        if torch.is_tensor(v) else v  # noqa: E731
     x, y, kw = move(run.x), move(run.y), {k: move(v) for k, v in run.kwargs.items()}
     ctx = autocast_ctx(dev, None if mode == "T" else run.autocast)
     if mode != "C":
         on_grad = _keep_reading(out, against, m) if mode == "R" else \
             (lambda key, g: out.diffs.__setitem__(key, _diff(g, against.grads.get(key))))
-        with checkpointed(mods, upcast=mode == "T", seen=run.seen):
+        with checkpointed(mods, upcast=truth, seen=run.seen):
             _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d), y.chunk(m, dim=d))],
                   ctx, dev, out, on_grad, cuts=mode == "T", y=y, mode_r=mode == "R")
         if mode == "R":  # C's sums for parameters R gave no gradient: not compared (nan), freed
@@ -358,44 +375,7 @@ def _decide(run: _Run, refs: dict) -> Check:
     ok = bool(compared == expected and not values and not no_grad and all(f.ratio <= NOISE_MULTIPLE for f in figures))
     said = "" if ok else where(figures, autocast=run.autocast)
     if not ok and not values and not no_grad:
-        said = _located(run, refs["T"], figures, said)
+        said = located_stages(run, refs["T"].cuts, figures, said)
     ldiff = max((abs(p - r) for p, r in zip(losses, ref_losses)), default=0.0)
     return Check(ok, diff, compared, expected, losses, ref_losses, ldiff, diff, 0.0, None, [[] for _ in gathered],
                  figures, NOISE_MULTIPLE, said, no_grad, [], values)
-
-
-def _located(run: _Run, truth: _Chain, figures: list[Figure], said: str) -> str:
-    """Each of this rank's stages replayed in float64 on T's input at its cut, against its slice in
-    float64 (collective: every rank gets every departure), after what each stage received against the
-    reference's cut (labkit.worker.inputs)."""
-    fed = fed_wrong(run.stages, run.x, run.kwargs, run.n_microbatches, run.chunk_dim, run.group)
-    deps, figs = [], []
-    for s in run.stages:
-        k = int(s.stage_index)
-        ref64 = copy64(run.slices[k])
-        rec = Recorder(ref64, lambda n: canonical(n + ".").rstrip(".") or None, keep_grad=True)
-        cut = truth.cuts[k]
-        a = cut.a_in.clone().requires_grad_(k > 0 and cut.a_in.is_floating_point())
-        try:
-            with torch.enable_grad():
-                o = first_tensor(ref64(a, **cut.kwargs))
-                cut.out = o.detach()  # T's output at this cut: its slice in float64 on T's input
-                cut.loss(o).backward() if cut.loss is not None else o.backward(cut.grad_out)
-        except Exception as e:  # noqa: BLE001
-            deps.append(Departure(k, "unreplayed", "", detail=f"its slice: {_why(e)}"))
-            continue
-        finally:
-            rec.remove()
-        pairs = [(n, canonical(n)) for n, _ in s.submod.named_parameters()]
-        truth_grads = {canonical(n): p.grad for n, p in ref64.named_parameters() if p.grad is not None}
-        try:
-            dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
-        except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
-            dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
-        deps += [dep] if dep is not None else []
-        figs += f
-    gathered = [None] * dist.get_world_size(run.group)
-    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
-    departures = [Departure(**d) for ds, _ in gathered for d in ds]
-    figures += [Figure(**f) for _, fs in gathered for f in fs]
-    return say(departures, figures, said, "its slice of the unsplit model", fed=fed)
