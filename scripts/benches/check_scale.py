@@ -16,7 +16,7 @@ SCALE_HEADING = "labkit/worker/stagewise.py at scale: a 1B-parameter Llama check
 SCALE_SIZES = {"dim": 2048, "n_layers": 14, "n_heads": 16, "vocab": 8192, "batch": 4, "seq": 64, "microbatches": 4,
                "dtype": "bfloat16"}
 """0.97B parameters. In bfloat16: in float32 the ranks' stages, slices and gradients alone would hold 12 GB, and
-the check's peak (about twice the step's, measured at 0.22B) would take the 4 ranks past this machine's 24 GB."""
+with the check's peak (up to twice the step's) the 4 ranks would pass this machine's 24 GB."""
 # the check's cost's imports and measurement on the rank (rss, measured), then the scale's own
 SCALE_SETUP = CHECK_SETUP + textwrap.dedent("""
     from labkit import PRESETS
