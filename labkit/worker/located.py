@@ -78,8 +78,6 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
     """Collective over the pipeline (check_step's `_Call` c, the whole unsplit model on every rank):
     this rank's stages replayed against a float64 run of the unsplit model; every rank gets every
     rank's departures and boundary figures."""
-    import torch.distributed as dist
-
     from .noise import reference_copy
 
     renames, names = held_by_stage(c)
@@ -123,9 +121,16 @@ def localise_full(c) -> tuple[list[Departure], list[Figure]]:
                 dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
             deps += [dep] if dep is not None else []
             figs += f
-    gathered = [None] * dist.get_world_size(c.group)
-    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=c.group)
-    return ([Departure(**d) for ds, _ in gathered for d in ds], [Figure(**f) for _, fs in gathered for f in fs])
+    return gathered(deps, figs, c.group)
+
+
+def gathered(deps: list[Departure], figs: list[Figure], group) -> tuple[list[Departure], list[Figure]]:
+    """Collective: every rank's departures and boundary figures, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=group)
+    return [Departure(**d) for ds, _ in out for d in ds], [Figure(**f) for _, fs in out for f in fs]
 
 
 def stage_values(c) -> list[str]:
@@ -244,8 +249,6 @@ def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
     stages replayed in float64 on T's input at its cut, against its slice in float64 (collective: every
     rank gets every departure), after what each stage received against the reference's cut
     (labkit.worker.inputs). A replay that cannot fit on the rank is said, not run (labkit.worker.fits)."""
-    import torch.distributed as dist
-
     from .fits import replay_too_large
     from .lean import copy64
 
@@ -280,8 +283,6 @@ def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
             dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
         deps += [dep] if dep is not None else []
         figs += f
-    gathered = [None] * dist.get_world_size(run.group)
-    dist.all_gather_object(gathered, ([d.as_dict() for d in deps], [f.as_dict() for f in figs]), group=run.group)
-    departures = [Departure(**d) for ds, _ in gathered for d in ds]
-    figures += [Figure(**f) for _, fs in gathered for f in fs]
+    departures, boundary = gathered(deps, figs, run.group)
+    figures += boundary
     return say(departures, figures, said, "its slice of the unsplit model", fed=fed)
