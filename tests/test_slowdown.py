@@ -291,9 +291,10 @@ def varied(factors, pp: int = 2):
     return out
 
 
-def write_steps(folder, factors, load=None):
-    """`varied(factors)` as spans files: in a step of `scale` s, each action's (s - 1) / s without a CPU
-    (the work less descheduling is the unscaled one's: a busier machine, not heavier code). `load`:
+def write_steps(folder, factors, load=None, cpu: float = 1.0):
+    """`varied(factors)` as spans files: in a step of `scale` s, each action's (s - cpu) / s without a CPU
+    (the work less descheduling is the unscaled one's times `cpu`: 1, a busier machine, not heavier code;
+    more, each action's CPU time longer too, as beside a loop on its core). `load`:
     (runnable, load average) at every step's end, with the step's wall and run-queue seconds, as the
     ranks write them (`labkit.spans.read.machine_load`: the quiet rule reads them)."""
     acts = varied(factors)
@@ -301,7 +302,7 @@ def write_steps(folder, factors, load=None):
     for rank in sorted({a.rank for _, a in acts}):
         level, lines = 0.0, [{"meta": {"rank": rank, "clock": "host (time.time)"}}]
         for k, (_, scale) in enumerate(factors):
-            share = 1 - 1 / scale
+            share = 1 - cpu / scale
             mine = sorted((a for kk, a in acts if a.rank == rank and kk == k), key=lambda a: a.start)
             lines.append({"begin_step": k, "schedule": "Schedule1F1B"})
             for a in mine:
@@ -345,6 +346,25 @@ def test_a_heavier_stage_on_a_busier_machine_names_both_largest_first(tmp_path):
     t = explain_slowdown(before, heavier)
     assert t.named == ["compute", "machine"] and t.main == "compute"
     assert t.text().index("your code: stage 1's forwards take") < t.text().index("the machine (+")
+
+
+def test_every_stage_slower_alike_beside_a_busier_machine_is_not_called_only_your_code(tmp_path):
+    """After: every action about 2.5x as long, 40% of it without a CPU, so each action's CPU time is
+    1.5x (what a busy loop on the rank's own core does: notebook 06b, section 1, read stage 1's forwards
+    1.6x, its backwards 1.5x, stage 0's forwards 1.4x); nothing in the code changed. The machine and the
+    compute both grew beyond their noise, every stage's alike: the verdict says the compute may be the
+    machine's too, never a bare "your code". A heavier stage 1 on that machine stays your code."""
+    before = write_steps(tmp_path / "quiet", [(1.0, 1.0)] * 4, load=QUIET)
+    shared = [(1.0, 2.5), (1.0, 2.45), (1.0, 2.55), (1.0, 2.5)]
+    s = explain_slowdown(before, write_steps(tmp_path / "shared", shared, cpu=1.5))
+    adds_up(s)
+    assert s.named[0] == "machine" and "compute" in s.named and len(s.stages) >= 2 and s.alike
+    text = s.text()
+    assert "every stage's compute alike: stage " in text and "the machine's too, unless you changed every stage" in text
+    assert "your code:" not in text
+    heavier = [(2.7, 2.5), (2.8, 2.45), (2.6, 2.55), (2.7, 2.5)]
+    t = explain_slowdown(before, write_steps(tmp_path / "heavier", heavier, cpu=1.5))
+    assert not t.alike and "your code: stage 1's forwards take" in t.text()
 
 
 def test_rounds_that_disagree_on_the_cause_say_so_and_how_many_would_settle_it(tmp_path):

@@ -61,6 +61,8 @@ FLOOR = 0.02
 ACTION_FLOOR = 0.1
 """A stage is named when its compute on the critical path changed so AND one of its actions (less
 descheduling) by more than this share (and its noise): not where the path merely moved between stages."""
+ALIKE = 1.5
+"""Every stage and kind changed by factors within this of each other, beside a busier machine: `Slowdown.alike`."""
 MAX_UNITS = 1000
 """Beyond this many rounds (steps) to settle which cause changed most, the kit says they changed alike."""
 Pair = tuple  # (before, after)
@@ -132,9 +134,11 @@ class Slowdown(SlowdownText):
     def machine_excess(self) -> float | None:
         """The machine's change beyond the load the before side already had (None where unknown). A longer
         action waits longer for a CPU on a machine as busy, so after's path is expected to be descheduled
-        as much per second of its own work as before's: its actions (machine in them / compute, before,
-        times compute after) and the time between them (the same with the rest of the step); the excess
-        is what the machine added beyond that."""
+        as much per second of its own work as before's in its actions (machine in them / compute, before,
+        times compute after), and as much as before between them: a hand-off waits for a CPU once per
+        wakeup, and the schedule's hand-offs are the same (scaled by the time between actions, a busy
+        machine's own longer hand-offs hid it: notebook 06b read communication first 1 run in 3); the
+        excess is what the machine added beyond that."""
         return _excess(self.before, self.after, self.causes["machine"], self.machine_in_actions,
                        self.causes["compute"])
 
@@ -201,6 +205,18 @@ class Slowdown(SlowdownText):
         """Every (stage, kind) whose compute on the critical path (less descheduling) changed beyond its
         noise the way the step did, and one of whose actions did too (by over `ACTION_FLOOR`), largest first."""
         return self._stages(self._sign)
+
+    @property
+    def alike(self) -> bool:
+        """Every stage and kind on the path changed the way the step did, by factors within `ALIKE` of each
+        other, at least two of them beyond their noise, while the machine did too: what a core shared with
+        other work does to every action (its caches, its clock), not only a change to every stage's code."""
+        way, stages = self._sign, self.stages
+        if len(stages) < 2 or "machine" not in self.named:
+            return False
+        ratios = [(a / b) ** way for b, a in (self.per_action.get(k, (0.0, 0.0)) for k in self.by_stage)
+                  if b > 0 and a > 0]
+        return len(ratios) == len(self.by_stage) and min(ratios) > 1 and max(ratios) <= ALIKE * min(ratios)
 
     @property
     def named(self) -> list[str]:
@@ -288,7 +304,7 @@ def _excess(before: float, after: float, machine: Pair, in_actions: Pair, comput
         return None
     if ib is None:  # made by hand: the whole step at one share
         return ma - _same_share(mb, before - mb, after - ma)
-    return ma - _same_share(ib, cb, ca) - _same_share(mb - ib, before - mb - cb, after - ma - ca)
+    return ma - _same_share(ib, cb, ca) - (mb - ib)
 
 
 def explain_slowdown(before, after, source: str = "auto") -> Slowdown:

@@ -78,8 +78,11 @@ class SlowdownText:
             stages = self._stages(self._sign if way is None else way)
             if not stages:
                 return f"your code ({_ms(self.delta['compute'], sign=True)} of compute on the critical path)"
-            return "your code: " + ", ".join(f"{self._took(k, i == 0)} ({_ms(self._size(k), sign=True)})"
-                                             for i, k in enumerate(stages))
+            said = ", ".join(f"{self._took(k, i == 0)} ({_ms(self._size(k), sign=True)})" for i, k in enumerate(stages))
+            if self.alike and (way is None or way == self._sign):
+                return (f"every stage's compute alike: {said}, as on cores shared with other work (cold caches, a "
+                        f"lower clock): the machine's too, unless you changed every stage")
+            return "your code: " + said
         return f"{WORDS[cause]} ({_ms(self.delta[cause], sign=True)})"
 
     def _one(self, cause: str) -> str:
