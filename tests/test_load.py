@@ -13,6 +13,7 @@ comparison means nothing and the test says so and skips."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,6 +86,18 @@ LOOPS_PER_CORE = 1  # issue 42's "one busy loop per core"
 STEPS, ROUNDS = 10, 5  # one step is ~20 ms: a timer tick or a kernel thread moves its share by points
 
 
+def until_quiet(measured, attempts: int = 3, settle_s: float = 10.0):
+    """`measured()` -> (readings, Quiet), measured again after `settle_s` while its baseline is not quiet, up
+    to `attempts` times; the last. A serial test runs right after the parallel pass of every leg, and there
+    the machine was still busy (CI: the quiet rounds descheduled 29-30% on both legs, 6-20% alone here)."""
+    for attempt in range(attempts):
+        readings, baseline = measured()
+        if baseline.ok or attempt + 1 == attempts:
+            return readings, baseline
+        print(f"not quiet yet ({baseline.figures()}): measured again in {settle_s:g} s")
+        time.sleep(settle_s)
+
+
 def _measure(pool, loops: int):
     # each loop in its own session, as another program is: Linux's autogroup shares the CPU between
     # sessions first, and loops started in pytest's one session weighed as one program (every rank is in
@@ -151,18 +164,24 @@ def test_a_busy_machine_shows_as_descheduled_time(rivalled):
         return rivalled.idle(which="all"), rivalled.timeline()
 
     cores = os.cpu_count() or 1
-    rounds = [(measure(False), measure(True)) for _ in range(ROUNDS)]
+
+    def measured():
+        rounds = [(measure(False), measure(True)) for _ in range(ROUNDS)]
+        q = statistics.median(r[0][0].descheduled() for r in rounds)
+        others = statistics.median(max(v["load1"] for v in r[0][0].load.values()) for r in rounds)
+        runnable = statistics.median(n for r in rounds for v in r[0][1].meta["machine_load"].values()
+                                     for n in v["runnable"] if n is not None)
+        return rounds, Quiet(runnable, others, q, cores)
+
+    rounds, baseline = until_quiet(measured)
     (quiet, tl), (busy, _) = rounds[-1]
     print("alone:\n" + quiet.text() + "\nbeside the rivals:\n" + busy.text())
     assert quiet.causes == busy.causes == CPU_CAUSES
-    q = statistics.median(r[0][0].descheduled() for r in rounds)
+    q, others, runnable = baseline.descheduled, baseline.load1, baseline.runnable
     b = statistics.median(r[1][0].descheduled() for r in rounds)
-    others = statistics.median(max(v["load1"] for v in r[0][0].load.values()) for r in rounds)
-    runnable = statistics.median(n for r in rounds for v in r[0][1].meta["machine_load"].values()
-                                 for n in v["runnable"] if n is not None)
     print(f"quiet steps: descheduled {q:.1%}, load average {others}, {runnable:g} runnable at their ends; "
           f"beside the rivals: descheduled {b:.1%}")
-    if not Quiet(runnable, others, q, cores).ok:  # labkit.spans.quiet: the kit's one quiet-baseline rule
+    if not baseline.ok:  # labkit.spans.quiet: the kit's one quiet-baseline rule
         pytest.skip(f"no quiet baseline: without the rivals the ranks were descheduled for {q:.0%} of the "
                     f"step (load average {others}, {runnable:g} runnable at the steps' ends, on {cores} cores): "
                     "something else is keeping the machine busy")
@@ -229,13 +248,17 @@ def test_compare_names_busy_loops_as_the_machine(pool):
     """Three rounds alternating a quiet cell and a cell beside one busy loop per core: explain_slowdown
     over the rounds names the machine, when the quiet cells had a quiet baseline."""
     cores = os.cpu_count() or 1
-    cells = []
-    for _ in range(3):
-        _measure(pool, 0)
-        quiet = pool.last_cell
-        _measure(pool, LOOPS_PER_CORE * cores)
-        cells.append((quiet, pool.last_cell))
-    baseline = quiet_baseline([pool.timeline(q) for q, _ in cells])
+
+    def measured():
+        cells = []
+        for _ in range(3):
+            _measure(pool, 0)
+            quiet = pool.last_cell
+            _measure(pool, LOOPS_PER_CORE * cores)
+            cells.append((quiet, pool.last_cell))
+        return cells, quiet_baseline([pool.timeline(q) for q, _ in cells])
+
+    cells, baseline = until_quiet(measured)
     if not baseline.ok:
         pytest.skip(baseline.text())
     why = pool.compare([q for q, _ in cells], [b for _, b in cells])
