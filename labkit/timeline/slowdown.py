@@ -137,8 +137,8 @@ class Slowdown(SlowdownText):
         as much per second of its own work as before's in its actions (machine in them / compute, before,
         times compute after), and as much as before between them: a hand-off waits for a CPU once per
         wakeup, and the schedule's hand-offs are the same (scaled by the time between actions, a busy
-        machine's own longer hand-offs hid it: notebook 06b read communication first 1 run in 3); the
-        excess is what the machine added beyond that."""
+        machine's own longer hand-offs hid it: 06b's busy rounds named communication or waiting first in 4
+        of 8 sets); the excess is what the machine added beyond that."""
         return _excess(self.before, self.after, self.causes["machine"], self.machine_in_actions,
                        self.causes["compute"])
 
