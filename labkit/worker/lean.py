@@ -6,7 +6,7 @@ system before each module runs and between references (`give_back`: freed tensor
 the process's heap, and its resident peak is what a rank must fit). Measured in bench/RESULTS.md
 ("the check's cost").
 
-May import: torch, labkit.worker.noise."""
+May import: torch, labkit.worker (noise, pieces)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .noise import canonical
+from .pieces import pieced
 
 
 def read_as_made(k: int, root, grad_out, leaves: list, params: list, on_grad):
@@ -88,7 +89,8 @@ def copy64(module: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | None = None):
+def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | None = None, pieces: int = 1,
+                 dim: int = 0):
     """Each block of `modules` ({stage: module}) runs under torch.utils.checkpoint while inside: a whole-batch
     reference then keeps each block's input, not its inner activations, and recomputes the block in the
     backward (the same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's
@@ -102,19 +104,24 @@ def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | N
     (a parent reads its weight) has its tensors cast for the whole forward. `seen`: {(stage, module
     name)} that ran, filled by a run without `upcast` (R), read by one with it (T); None: every module is
     taken to run. Gradients reach the modules' own parameters through the casts, rounded once to their
-    dtype. Whatever happens inside, every module's own tensors are its own again on exit."""
-    from torch.utils.checkpoint import checkpoint
+    dtype. Whatever happens inside, every module's own tensors are its own again on exit.
 
+    `pieces` (with `upcast`): each innermost block's backward recomputes it a piece of the batch (along
+    `dim`) at a time where it treats samples apart and that lowers its peak (labkit.worker.pieces)."""
     wrapped, handles, orig = [], [], {}
     for k, module in modules.items():
-        for block in blocks_of(module):
-            had = block.__dict__.get("forward")
-            block.forward = lambda *a, _f=block.forward, **kw: _trimmed(checkpoint, _f, *a, use_reentrant=False, **kw)
-            wrapped.append((block, had))
         named = list(module.named_modules())
-        handles += [m.register_forward_pre_hook(lambda mod, a: give_back(collect=False)) for _, m in named]
         if upcast:
             orig.update({(id(m), w, n): (m, getattr(m, w)[n]) for _, m in named for w, n in _own(m)})
+        blocks = blocks_of(module)
+        for block in blocks:
+            had = block.__dict__.get("forward")
+            innermost = not any(b is not block and any(b is d for d in block.modules()) for b in blocks)
+            block.forward = _pieced(block, orig, upcast, pieces, dim) if upcast and pieces > 1 and innermost \
+                else (lambda *a, _f=block.forward, **kw: _trimmed(_checkpoint, _f, *a, **kw))
+            wrapped.append((block, had))
+        handles += [m.register_forward_pre_hook(lambda mod, a: give_back(collect=False)) for _, m in named]
+        if upcast:
             late = [(m, w, n) for name, m in named if seen is not None and (k, name) not in seen
                     for w, n in _own(m)]
             for name, m in named:
@@ -139,6 +146,28 @@ def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | N
                 del block.__dict__["forward"]
             else:
                 block.forward = had
+
+
+def _checkpoint(f, *a, **kw):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(f, *a, use_reentrant=False, **kw)
+
+
+def _pieced(block: nn.Module, orig: dict, upcast: torch.dtype, pieces: int, dim: int):
+    """`block`'s forward as labkit.worker.pieces runs it: its own tensors (from `orig`, the originals of
+    `checkpointed`) given stand-ins for a recomputation in its casts' place and in its modules' slots."""
+    keys = [(id(m), w, n) for m in block.modules() for w, n in _own(m)]
+    base = {key: orig[key] for key in keys}
+    params = list({id(t): t for _, t in base.values()}.values())
+    state, f = {}, block.forward
+
+    def substitute(stand: dict | None):
+        for key, (m, t) in base.items():
+            orig[key] = (m, stand[id(t)]) if stand is not None else (m, t)
+            getattr(m, key[1])[key[2]] = orig[key][1]
+    return lambda *a, **kw: _trimmed(pieced, f, a, kw, pieces=pieces, dim=dim, dtype=upcast, params=params,
+                                     substitute=substitute, state=state, checkpoint=_checkpoint)
 
 
 def _trimmed(fn, *a, **kw):
