@@ -149,3 +149,31 @@ def test_pieces_lower_the_references_peak():
     reference(model, a, 4)  # warm
     whole, pieced = allocated_peak(lambda: reference(model, a, 1)), allocated_peak(lambda: reference(model, a, 4))
     assert pieced < 0.8 * whole, (pieced, whole)
+
+
+def test_nested_arguments_flatten_and_come_back_whole():
+    t = torch.ones(2)
+    tree = ((t, 3, [t, None]), {"mask": t, "rope": (t, t), "cache": object})
+    leaves, spec = pieces_mod.tree_flatten(tree)
+    assert len(leaves) == 8 and pieces_mod.tree_unflatten(leaves, spec) == tree
+    assert pieces_mod.tree_flatten(t) == ([t], None)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_transformers_layers_in_pieces_have_the_whole_batchs_gradients(model_type, counted):
+    """transformers' own layers, their attention masks and rotary embeddings cut with the batch where they
+    carry it (BERT's padding masks differ per sample: notebook 09b's placements run it through check_stages)."""
+    import dataclasses
+
+    from labkit import PRESETS
+    from labkit.models import hf
+
+    pre = dataclasses.replace(PRESETS["small"], dim=128, n_layers=2, batch_size=16, seq_len=64)
+    stage = hf.meta_stage(model_type, pre, 1, [0, 1, 2], "cpu")
+    _, _, kw = hf.make_batch(model_type, pre, 16, 0)
+    a = torch.randn(16, 64, 128, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    whole, whole_in = reference(stage, a, 1, **kw)
+    got, got_in = reference(stage, a, 4, **kw)
+    assert counted["pieced"] >= 1 and counted["whole"] == 0, counted
+    assert set(got) == set(whole) and max(rel(got[n], whole[n]) for n in whole) < 2 ** -23
+    assert rel(got_in, whole_in) < 1e-12

@@ -9,17 +9,18 @@ checkpointing does) and keeps a fingerprint of each piece of its output (four fl
 backward recomputes each piece on its own and holds its output's fingerprint against the whole batch's.
 Where one departs (a BatchNorm in training mode, a mask rolled across the batch, dropout), or where the
 output is not a batch of tensors, the block is recomputed whole instead, as torch's checkpoint does, and
-remembered as such. The pieces' gradients are summed in float64 against stand-ins of the block's own
-parameters (`substitute`: their .grad sum the pieces' in place), then rounded once to each parameter's dtype: the same rounding as the whole
-block's, a float64 sum of the pieces' instead of one float64 sum (float32 for a 16-bit step's reference,
-still 2^16 times finer than bfloat16).
+remembered as such; so is a block whose graph weighs less than what pieces add (`_worth`: a stand-in of
+each of its parameters in the reference's dtype, and their gradients' sum). The pieces' gradients are
+summed in the reference's dtype on those stand-ins (`substitute`: their .grad sum the pieces' in place),
+then rounded once to each parameter's dtype, as the whole block's are: a float64 sum of four pieces'
+float64 gradients instead of one (float32 for a 16-bit step's reference, 2^16 times finer than bfloat16).
+Measured in bench/RESULTS.md ("the check's cost").
 
 May import: torch."""
 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 def pieced(f, args: tuple, kwargs: dict, *, pieces: int, dim: int, dtype: torch.dtype, params: list, substitute,
            state: dict, checkpoint):
@@ -41,13 +42,38 @@ def pieced(f, args: tuple, kwargs: dict, *, pieces: int, dim: int, dtype: torch.
         if state["whole"]:
             return checkpoint(f, *args, **kwargs)
     outs = _Pieced.apply(job, *(leaves[i] for i in at), *params)
-    if job.out_spec is None:  # the output is not a batch of tensors: recomputed whole
+    if job.refused:  # the output is not a batch of tensors: recomputed whole
         state["whole"] = True
         return checkpoint(f, *args, **kwargs)
     got = list(job.out_leaves)
     for i, t in zip(job.out_at, outs if isinstance(outs, tuple) else (outs,)):
         got[i] = t
     return tree_unflatten(got, job.out_spec)
+
+
+def tree_flatten(tree) -> tuple[list, object]:
+    """The leaves of nested tuples, lists and dicts (those exact types; anything else is a leaf), and how to
+    put them back (`tree_unflatten`)."""
+    if type(tree) in (tuple, list):
+        parts = [tree_flatten(v) for v in tree]
+        return [x for leaves, _ in parts for x in leaves], (type(tree), [spec for _, spec in parts])
+    if type(tree) is dict:
+        leaves, spec = tree_flatten(list(tree.values()))
+        return leaves, (dict, (list(tree), spec))
+    return [tree], None
+
+
+def tree_unflatten(leaves: list, spec):
+    return _rebuild(iter(leaves), spec)
+
+
+def _rebuild(it, spec):
+    if spec is None:
+        return next(it)
+    kind, inner = spec
+    if kind is dict:
+        return dict(zip(inner[0], _rebuild(it, inner[1])))
+    return kind(_rebuild(it, s) for s in inner)
 
 
 class _Job:
@@ -59,6 +85,7 @@ class _Job:
         size = -(-batch // pieces)
         self.bounds = [(s, min(size, batch - s)) for s in range(0, batch, size)]
         self.out_spec, self.out_leaves, self.out_at, self.prints, self.rng = None, [], [], [], None
+        self.refused = False
 
     def call(self, tensors):
         leaves = list(self.leaves)
@@ -85,7 +112,7 @@ class _Pieced(torch.autograd.Function):
         floating = [i for i in at if leaves[i].is_floating_point()]
         if not floating or any(v is not None and not torch.is_tensor(v) for v in leaves) \
                 or not all(job.batched(leaves[i]) for i in floating):
-            empty = torch.empty(0)
+            job.refused, empty = True, torch.empty(0)
             ctx.mark_non_differentiable(empty)
             return empty
         job.out_spec, job.out_at = spec, at

@@ -15,7 +15,8 @@ labkit.worker.located), against the slice.
 No rank holds more than its own slices, one reference's gradients of them (C's sums, then R's: R reads
 C's against its own as it makes each and frees it), one block's graph at a time (labkit.worker.lean:
 each block checkpointed, T cast to its dtype module by module as it runs, each gradient read as it is
-made) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
+made; T's backward a microbatch's piece of the batch at a time where a layer treats samples apart:
+labkit.worker.pieces) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
 bench/RESULTS.md.
 
 May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."""
