@@ -177,3 +177,36 @@ def test_transformers_layers_in_pieces_have_the_whole_batchs_gradients(model_typ
     assert counted["pieced"] >= 1 and counted["whole"] == 0, counted
     assert set(got) == set(whole) and max(rel(got[n], whole[n]) for n in whole) < 2 ** -23
     assert rel(got_in, whole_in) < 1e-12
+
+
+def step_dtype_reference(model: nn.Module, a: torch.Tensor, offload: bool, autocast=None):
+    """R's backward of one stage, its gradients read as made: {name: gradient}, the input's gradient."""
+    from labkit.worker.noise import autocast_ctx
+
+    grads = {}
+    a = a.detach().clone().requires_grad_()
+    with checkpointed({0: model}, offload=offload), torch.enable_grad(), autocast_ctx("cpu", autocast):
+        loss = model(a).float().square().mean()
+    read_as_made(0, loss, None, [a], list(model.named_parameters()), lambda key, g: grads.__setitem__(key[1], g))
+    return grads, a.grad
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_offloaded_blocks_give_the_step_dtypes_reference_the_same_numbers(autocast, counted, monkeypatch):
+    """R on a GPU (here on the CPU, as a stand-in: no GPU in CI): each innermost block recomputed whole in its
+    backward with the saved tensors handed to torch's save_on_cpu, under the forward's autocast: the same
+    gradients, bit for bit, as torch's checkpoint."""
+    packed = []
+
+    def counting(pin_memory):
+        assert pin_memory is False  # pageable: pinned blocks would stay cached in the user's process
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t)
+    monkeypatch.setattr(pieces_mod, "save_on_cpu", counting)
+    model = small_lm(blocks=[2, 3], first=False, last=True, dim=64)
+    a = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(7))
+    plain, plain_in = step_dtype_reference(model, a, False, autocast)
+    assert counted == {"pieced": 0, "whole": 0} and not packed
+    got, got_in = step_dtype_reference(model, a, True, autocast)
+    assert counted == {"pieced": 0, "whole": 2} and len(packed) > 10  # each block's recomputation, whole
+    assert set(got) == set(plain) and all(torch.equal(got[n], plain[n]) for n in plain)
+    assert torch.equal(got_in, plain_in)

@@ -90,7 +90,7 @@ def copy64(module: nn.Module) -> nn.Module:
 
 @contextmanager
 def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | None = None, pieces: int = 1,
-                 dim: int = 0):
+                 dim: int = 0, offload: bool = False):
     """Each block of `modules` ({stage: module}) runs under torch.utils.checkpoint while inside: a whole-batch
     reference then keeps each block's input, not its inner activations, and recomputes the block in the
     backward (the same operations on the same values: the same numbers). Blocks (`blocks_of`): a model's
@@ -107,7 +107,8 @@ def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | N
     dtype. Whatever happens inside, every module's own tensors are its own again on exit.
 
     `pieces` (with `upcast`): each innermost block's backward recomputes it a piece of the batch (along
-    `dim`) at a time where it treats samples apart and that lowers its peak (labkit.worker.pieces)."""
+    `dim`) at a time where it treats samples apart and that lowers its peak (labkit.worker.pieces).
+    `offload` (R on a GPU): each innermost block recomputed whole with its saved tensors on the host."""
     wrapped, handles, orig = [], [], {}
     for k, module in modules.items():
         named = list(module.named_modules())
@@ -117,7 +118,8 @@ def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | N
         for block in blocks:
             had = block.__dict__.get("forward")
             innermost = not any(b is not block and any(b is d for d in block.modules()) for b in blocks)
-            block.forward = _pieced(block, orig, upcast, pieces, dim) if upcast and pieces > 1 and innermost \
+            block.forward = _pieced(block, orig, upcast, pieces, dim, offload) \
+                if innermost and (offload or (upcast and pieces > 1)) \
                 else (lambda *a, _f=block.forward, **kw: _trimmed(_checkpoint, _f, *a, **kw))
             wrapped.append((block, had))
         handles += [m.register_forward_pre_hook(lambda mod, a: give_back(collect=False)) for _, m in named]
@@ -154,20 +156,23 @@ def _checkpoint(f, *a, **kw):
     return checkpoint(f, *a, use_reentrant=False, **kw)
 
 
-def _pieced(block: nn.Module, orig: dict, upcast: torch.dtype, pieces: int, dim: int):
+def _pieced(block: nn.Module, orig: dict, upcast: torch.dtype | None, pieces: int, dim: int, offload: bool):
     """`block`'s forward as labkit.worker.pieces runs it: its own tensors (from `orig`, the originals of
-    `checkpointed`) given stand-ins for a recomputation in its casts' place and in its modules' slots."""
-    keys = [(id(m), w, n) for m in block.modules() for w, n in _own(m)]
-    base = {key: orig[key] for key in keys}
+    `checkpointed`, where it casts; else its modules' own) given stand-ins for a recomputation, in its
+    casts' place and in its modules' slots."""
+    base = {(id(m), w, n): orig.get((id(m), w, n)) or (m, getattr(m, w)[n]) for m in block.modules()
+            for w, n in _own(m)}
     params = list({id(t): t for _, t in base.values()}.values())
     state, f = {}, block.forward
 
     def substitute(stand: dict | None):
         for key, (m, t) in base.items():
-            orig[key] = (m, stand[id(t)]) if stand is not None else (m, t)
-            getattr(m, key[1])[key[2]] = orig[key][1]
+            new = stand[id(t)] if stand is not None else t
+            if key in orig:
+                orig[key] = (m, new)
+            getattr(m, key[1])[key[2]] = new
     return lambda *a, **kw: _trimmed(pieced, f, a, kw, pieces=pieces, dim=dim, dtype=upcast, params=params,
-                                     substitute=substitute, state=state, checkpoint=_checkpoint)
+                                     substitute=substitute, state=state, checkpoint=_checkpoint, offload=offload)
 
 
 def _trimmed(fn, *a, **kw):

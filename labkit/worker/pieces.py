@@ -16,28 +16,45 @@ then rounded once to each parameter's dtype, as the whole block's are: a float64
 float64 gradients instead of one (float32 for a 16-bit step's reference, 2^16 times finer than bfloat16).
 Measured in bench/RESULTS.md ("the check's cost").
 
+On a GPU the same Function serves the whole-batch reference in the step's dtype (R, which stays on the
+device: its rounding is the floor) with one piece, the whole batch (`offload`): its recomputation's saved
+tensors go to the host as they are made (torch.autograd.graph.save_on_cpu, pageable) and come back one
+backward operation at a time, so the device holds the block's whole-batch tensors one operation at a time
+instead of its whole graph; the same kernels on the same values give the same numbers (tested bit for
+bit against torch's checkpoint, under bf16 autocast too, on the CPU: no GPU has run it yet).
+
 May import: torch."""
 
 from __future__ import annotations
 
-import torch
+from contextlib import ExitStack
 
-def pieced(f, args: tuple, kwargs: dict, *, pieces: int, dim: int, dtype: torch.dtype, params: list, substitute,
-           state: dict, checkpoint):
+import torch
+from torch.autograd.graph import save_on_cpu
+
+
+def pieced(f, args: tuple, kwargs: dict, *, pieces: int, dim: int, dtype: torch.dtype | None, params: list,
+           substitute, state: dict, checkpoint, offload: bool = False):
     """f(*args, **kwargs) for a whole-batch reference, its backward a piece of the batch at a time (at most
     `pieces` pieces along `dim`) where the block treats samples apart; `checkpoint(f, *args, **kwargs)`
     instead where it cannot (no grad, a batch of one, a block that `state` remembers as whole) or where it
     would not save memory (`_worth`). `params`: the block's own floating parameters and buffers (each once);
     `substitute({id(tensor): stand-in})` puts stand-ins in their place for a recomputation, `substitute(None)`
     the tensors back; `dtype`: the stand-ins' dtype (the reference's). `state`: this block's memory ("whole":
-    True once it was recomputed whole or found not worth pieces)."""
+    True once it was recomputed whole or found not worth pieces; None: the parameters' own dtype).
+
+    `offload` (the whole-batch reference in the step's dtype, R, on a GPU): one piece, the whole batch, its
+    recomputation's saved tensors on the host (torch.autograd.graph.save_on_cpu), brought back to the
+    device one backward operation at a time: the same kernels on the same values, the same numbers,
+    without the block's whole-batch graph on the device."""
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
     batch = next((leaves[i].shape[dim] for i in at if leaves[i].dim() > dim), 0)
-    if state.get("whole") or pieces < 2 or batch < 2 or not torch.is_grad_enabled():
+    if state.get("whole") or not torch.is_grad_enabled() or (not offload and (pieces < 2 or batch < 2)):
         return checkpoint(f, *args, **kwargs)
-    job = _Job(f, leaves, spec, at, min(pieces, batch), dim, batch, dtype, params, substitute, state)
-    if "whole" not in state:
+    job = _Job(f, leaves, spec, at, 1 if offload else min(pieces, batch), dim, batch, dtype, params, substitute,
+               state, offload)
+    if "whole" not in state and not offload:
         state["whole"] = not _worth(job)
         if state["whole"]:
             return checkpoint(f, *args, **kwargs)
@@ -79,13 +96,13 @@ def _rebuild(it, spec):
 class _Job:
     """One call of a pieced block: how to call it again, and what its whole-batch forward gave."""
 
-    def __init__(self, f, leaves, spec, at, pieces, dim, batch, dtype, params, substitute, state):
+    def __init__(self, f, leaves, spec, at, pieces, dim, batch, dtype, params, substitute, state, offload):
         self.f, self.leaves, self.spec, self.at, self.dim, self.batch = f, leaves, spec, at, dim, batch
-        self.dtype, self.params, self.substitute, self.state = dtype, params, substitute, state
+        self.dtype, self.params, self.substitute, self.state, self.offload = dtype, params, substitute, state, offload
         size = -(-batch // pieces)
-        self.bounds = [(s, min(size, batch - s)) for s in range(0, batch, size)]
-        self.out_spec, self.out_leaves, self.out_at, self.prints, self.rng = None, [], [], [], None
-        self.refused = False
+        self.bounds = [(0, batch)] if pieces == 1 else [(s, min(size, batch - s)) for s in range(0, batch, size)]
+        self.out_spec, self.out_leaves, self.out_at, self.prints = None, [], [], []
+        self.refused, self.rng, self.cuda, self.cuda_rng, self.amp = False, None, [], [], []
 
     def call(self, tensors):
         leaves = list(self.leaves)
@@ -105,19 +122,21 @@ class _Pieced(torch.autograd.Function):
     @staticmethod
     def forward(ctx, job: _Job, *tensors):
         ins = tensors[:len(job.at)]
-        job.rng = torch.get_rng_state()
+        job.rng, job.amp = torch.get_rng_state(), _autocast_now()
+        job.cuda = sorted({t.device.index or 0 for t in ins if t.is_cuda})
+        job.cuda_rng = [torch.cuda.get_rng_state(d) for d in job.cuda]
         out = job.call(ins)
         leaves, spec = tree_flatten(out)
         at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         floating = [i for i in at if leaves[i].is_floating_point()]
         if not floating or any(v is not None and not torch.is_tensor(v) for v in leaves) \
-                or not all(job.batched(leaves[i]) for i in floating):
+                or not (job.offload or all(job.batched(leaves[i]) for i in floating)):
             job.refused, empty = True, torch.empty(0)
             ctx.mark_non_differentiable(empty)
             return empty
         job.out_spec, job.out_at = spec, at
         job.out_leaves = [None if torch.is_tensor(v) else v for v in leaves]
-        job.prints = [[_print(job.piece(leaves[i], b)) for i in floating] for b in job.bounds]
+        job.prints = [] if job.offload else [[_print(job.piece(leaves[i], b)) for i in floating] for b in job.bounds]
         ctx.job = job
         ctx.save_for_backward(*ins)
         outs = tuple(leaves[i] for i in at)
@@ -139,14 +158,13 @@ def _backward(job: _Job, ins, grads, need, bounds):
     """The gradients of the block's inputs and parameters, recomputing it on each of `bounds`' pieces of the
     batch in turn; None where a piece's output departs from the whole batch's (only checked in pieces)."""
     n_in = len(ins)
-    stand = [p.detach().to(job.dtype).requires_grad_(bool(need[n_in + j]) and p.is_floating_point())
-             for j, p in enumerate(job.params)]
+    stand = [(p.detach() if job.dtype in (None, p.dtype) else p.detach().to(job.dtype))
+             .requires_grad_(bool(need[n_in + j]) and p.is_floating_point()) for j, p in enumerate(job.params)]
     gin = [None] * n_in
     job.substitute({id(p): s for p, s in zip(job.params, stand)})
     try:
         for b in bounds:
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                torch.set_rng_state(job.rng)
+            with _as_in_forward(job):
                 part = [job.piece(t, b).detach().requires_grad_(bool(need[i]) and t.is_floating_point())
                         for i, t in enumerate(ins)]
                 out = job.call(part)
@@ -175,6 +193,30 @@ def _backward(job: _Job, ins, grads, need, bounds):
     finally:
         job.substitute(None)
     return [*gin, *(None if s.grad is None else s.grad.to(p.dtype) for s, p in zip(stand, job.params))]
+
+
+def _autocast_now() -> list[tuple[str, torch.dtype, bool]]:
+    """(device type, dtype, cast cache) of each autocast in force: the recomputation runs under the same."""
+    return [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled()) for d in ("cpu", "cuda")
+            if torch.is_autocast_enabled(d)]
+
+
+def _as_in_forward(job: _Job) -> ExitStack:
+    """Grad on, the random state of the block's forward (host and each GPU its inputs were on; the process's
+    own state put back after), its autocast, and with `offload` saved tensors kept on the host."""
+    stack = ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    torch.set_rng_state(job.rng)
+    if job.cuda:
+        stack.enter_context(torch.random.fork_rng(devices=job.cuda, device_type="cuda"))
+        for d, state in zip(job.cuda, job.cuda_rng):
+            torch.cuda.set_rng_state(state, d)
+    stack.enter_context(torch.enable_grad())
+    for device_type, dtype, cache in job.amp:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+    if job.offload:  # pageable host memory: pinned blocks would stay cached in the user's process after the check
+        stack.enter_context(save_on_cpu(pin_memory=False))
+    return stack
 
 
 def _worth(job: _Job) -> bool:

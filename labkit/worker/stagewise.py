@@ -227,7 +227,8 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     if mode != "C":
         on_grad = _keep_reading(out, against, m) if mode == "R" else \
             (lambda key, g: out.diffs.__setitem__(key, _diff(g, against.grads.get(key))))
-        with checkpointed(mods, upcast=truth, seen=run.seen, pieces=m, dim=d):
+        # T in pieces where they lower its peak; R on a GPU with its recomputations' saved tensors on the host
+        with checkpointed(mods, upcast=truth, seen=run.seen, pieces=m, dim=d, offload=dev.type == "cuda"):
             _pass(run, mods, x, kw, lambda o: [run.loss_fn(a, b) for a, b in zip(o.chunk(m, dim=d), y.chunk(m, dim=d))],
                   ctx, dev, out, on_grad, cuts=mode == "T", y=y, mode_r=mode == "R")
         if mode == "R":  # C's sums for parameters R gave no gradient: not compared (nan), freed

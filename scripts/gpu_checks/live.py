@@ -26,7 +26,8 @@ sched.step(x, target=y, losses=losses)
 step_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
 check = check_step(full, stages, x, y, losses, 4, nn.functional.mse_loss, device=device)
 # check_stages on the same step: its slices (copies of the unsplit model's parts, not the stages), its float64
-# and microbatched references on the host; what it adds to the device above what the rank held before it
+# and microbatched references on the host, and the saved tensors of R's recomputed blocks (labkit.worker.pieces,
+# offload); what it adds to the device above what the rank held before it
 from labkit.worker import check_stages
 import copy as _copy
 slices = {s: _copy.deepcopy(full[2 * s:2 * s + 2]) for s in range(2)}
