@@ -213,7 +213,8 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     chains keep only each block's input in their graph (`lean.checkpointed`: each block recomputed in the
     backward, the same numbers). On a GPU, C and T
     run on the host, and R keeps its gradients there (the device then holds only R's graph:
-    labkit.worker.inputs' docstring)."""
+    labkit.worker.inputs' docstring), each block's recomputation saving its tensors on the host too
+    (labkit.worker.pieces, offload)."""
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
