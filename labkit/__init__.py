@@ -32,8 +32,9 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".ranks.pool": ("Ranks", "RanksError", "current"),  # labkit.Ranks(nproc=2); %%ranks after %load_ext labkit
     ".ranks.suite": ("run_configs",),
     ".ranks.choose": ("ChoiceTable", "measure_choices", "plot_choice"),
-    ".worker.reference": ("CheckStepError", "check_step"),
-    ".worker.noise": ("autocast",),  # torch.autocast with its cast cache off, for bf16 steps and their check
+    ".check.reference": ("CheckStepError", "check_step"),
+    ".check.stagewise": ("check_stages",),  # the check of a model no rank holds whole (its slices only)
+    ".check.noise": ("autocast",),  # torch.autocast with its cast cache off, for bf16 steps and their check
     ".notebook.explorer": ("explorer",),
     ".": ("versions",),  # which torch this is and what it has: versions.has("WAIT actions"), versions.installed()
 })

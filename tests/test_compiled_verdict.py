@@ -2,7 +2,7 @@
 Interleaved1F1B, ZBVZeroBubble) on two models (an MLP and labkit.models.small_lm, whose key biases get a
 gradient that is zero in exact arithmetic: pure rounding, 1e-17 eager, 2e-10 compiled) on the suite's
 warm 2-rank pool, checked by check_step and check_stages, stay within half the limit: the floor measures
-what compiling changes (labkit.worker.compiled_floor); a bug planted in a compiled stage still fails,
+what compiling changes (labkit.check.compiled_floor); a bug planted in a compiled stage still fails,
 placed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch._dynamo
 import torch._functorch.config as functorch_config
 import torch.distributed.pipelining as P
 from torch.distributed.pipelining import PipelineStage
-import labkit, labkit.worker
+import labkit
 from labkit.worker import placement, run_step
 from labkit.models import small_lm, cut_small_lm, lm_loss
 
@@ -53,7 +53,7 @@ def compiled_step(sched_name, model, how="step", bug=False):
     stages = [PipelineStage(mods[k], k, n, device) for k in held]
     losses = run_step(cls(stages if multi else stages[0], 4, loss_fn=loss), stages, x, y)
     c = labkit.check_step(full, stages, x, y, losses, 4, loss) if how == "step" else \\
-        labkit.worker.check_stages(slices, stages, x, y, losses, 4, loss)
+        labkit.check_stages(slices, stages, x, y, losses, 4, loss)
     return c.ok, c.worst_ratio, c.failure or "", any(f.compiled is not None for f in c.figures)
 """
 

@@ -17,7 +17,8 @@ LAYERS = (
     ("labkit.schedules",),
     ("labkit.theory", "labkit.spans"),
     ("labkit.config",),
-    ("labkit.worker",),
+    ("labkit.worker",),  # what runs a rank
+    ("labkit.check",),  # the verdict, on those ranks: uses worker's collectives and shared references
     ("labkit.models", "labkit.parallel", "labkit.practice"),
     ("labkit.jobs", "labkit.timeline"),
     ("labkit.launching",),
@@ -108,8 +109,8 @@ def test_the_shared_vocabulary_imports_nothing_of_the_kit():
 
 
 def test_code_inside_a_rank_does_not_import_the_launcher():
-    inside = [*(PKG / "worker").glob("*.py"), *(PKG / "jobs").glob("*.py"), PKG / "spans" / "record.py",
-              PKG / "ranks" / "rank.py"]
+    inside = [*(PKG / "worker").glob("*.py"), *(PKG / "check").glob("*.py"), *(PKG / "jobs").glob("*.py"),
+              PKG / "spans" / "record.py", PKG / "ranks" / "rank.py"]
     for f in inside:
         assert not [m for m in kit_imports(f) if m.startswith("labkit.launching")], f
 

@@ -89,11 +89,13 @@ def test_the_table_is_each_modules_all_and_every_name_resolves():
     assert len(owners) == len(set(owners)), "a name in two public modules: give it one home"
 
 
-def test_check_step_is_public_at_the_top():
+def test_the_checks_are_public_at_the_top():
     import labkit
-    from labkit.worker.reference import check_step
+    from labkit.check.noise import autocast
+    from labkit.check.reference import check_step
+    from labkit.check.stagewise import check_stages
 
-    assert labkit.check_step is check_step
+    assert (labkit.check_step, labkit.check_stages, labkit.autocast) == (check_step, check_stages, autocast)
 
 
 @pytest.mark.parametrize("where, code", lesson_code(), ids=lambda v: v if " cell " in v or v.endswith(".py") else "")
@@ -105,7 +107,7 @@ def test_lessons_import_only_the_lesson_api(where, code):
 
 
 def test_the_check_catches_a_private_import():
-    private = "from labkit.worker.reference import check_step"
+    private = "from labkit.check.reference import check_step"
     assert wrong_imports(private) == [private]
     assert wrong_imports("s = '''\nfrom labkit.schedules.table import SCHEDULES\n'''")  # rank code sent as a string
     assert wrong_imports("labkit.notebook.helpers.setup()") == ["labkit.notebook.helpers"]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.launches  # every test here starts, or runs on, process
 SETUP = """
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-from labkit.worker.reference import CheckStepError, check_step
+from labkit.check.reference import CheckStepError, check_step
 
 torch.manual_seed(0)
 full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())

@@ -5,7 +5,7 @@ import torch
 
 from labkit.config.run import RunConfig
 from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
-from labkit.worker.reference import Reference, grad_diff, whole_batch_reference
+from labkit.check.reference import Reference, grad_diff, whole_batch_reference
 from labkit.worker.stages import manual_stage_module
 
 
@@ -77,7 +77,7 @@ def test_check_step_says_to_prefix_stage_index_when_names_do_not_match():
     import torch.distributed as dist
     import torch.nn as nn
 
-    from labkit.worker.reference import CheckStepError, check_step
+    from labkit.check.reference import CheckStepError, check_step
 
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
@@ -118,7 +118,7 @@ def test_configs_run_in_turn_share_a_trace_and_each_gets_its_own_copy(monkeypatc
     import torch.distributed.pipelining as pp
 
     from labkit.worker import shared, stages
-    from labkit.worker.noise import autocast_ctx
+    from labkit.check.noise import autocast_ctx
 
     traced = []
     real = pp.pipeline
@@ -173,8 +173,9 @@ def test_configs_run_in_turn_share_the_references_and_each_gets_its_own_verdict(
     import torch.distributed as dist
     import torch.nn as nn
 
-    from labkit.worker import reference, shared
-    from labkit.worker.noise import autocast_ctx
+    from labkit.check import reference
+    from labkit.worker import shared
+    from labkit.check.noise import autocast_ctx
 
     made = []
     real = reference._references

@@ -1,4 +1,4 @@
-"""Bug or float noise (labkit.worker.noise via check_step with no tolerance): on live ranks (2 ranks,
+"""Bug or float noise (labkit.check.noise via check_step with no tolerance): on live ranks (2 ranks,
 Schedule1F1B, 4 microbatches), a correct step with large activations passes in float32 and under bf16
 autocast, a 1% bug in stage 1's last bias fails in both and is named, notebook 04's stages with a
 SavedTensorTracker compare every parameter, and a bias held but unused is named as unused."""
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import module_pool
-from labkit.worker.noise import Figure, canonical, figure, where
+from labkit.check.noise import Figure, canonical, figure, where
 
 SETUP = """
 import torch, torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from labkit.worker.reference import check_step
+from labkit.check.reference import check_step
 from labkit.worker.memory import SavedTensorTracker
 
 def make(scale=16.0):
@@ -147,9 +147,9 @@ def test_a_bug_within_an_absolute_tolerance_is_still_named_as_outside_the_noise(
 
 
 def test_figures_compared_in_pieces_equal_the_whole_tensors(monkeypatch):
-    """A figure reads a large tensor in float64 pieces (labkit.worker.noise.CHUNK), never as whole float64
+    """A figure reads a large tensor in float64 pieces (labkit.check.noise.CHUNK), never as whole float64
     copies: the same error, scale, floor and fit as the whole tensors give."""
-    import labkit.worker.noise as noise
+    import labkit.check.noise as noise
 
     g = torch.Generator().manual_seed(0)
     r = torch.randn(1000, 7, generator=g)
@@ -165,9 +165,9 @@ def test_figures_compared_in_pieces_equal_the_whole_tensors(monkeypatch):
 
 
 def test_check_stages_holds_one_references_gradients_at_a_time():
-    """labkit.worker.stagewise: R reads C's summed gradient against each of its own as the backward makes
+    """labkit.check.stagewise: R reads C's summed gradient against each of its own as the backward makes
     it, and frees C's: C's and R's together never hold more than one gradient a parameter."""
-    from labkit.worker.stagewise import _Chain, _keep_reading
+    from labkit.check.stagewise import _Chain, _keep_reading
 
     m, g = 4, torch.Generator().manual_seed(1)
     r = {(0, n): torch.randn(5, generator=g) for n in ("a", "b")}
@@ -183,11 +183,11 @@ def test_check_stages_holds_one_references_gradients_at_a_time():
 
 
 def test_check_stages_truth_is_float32_only_where_the_step_computes_in_16_bits():
-    """labkit.worker.stagewise: T in float32 where every rank's step computes in bfloat16 or float16 (its
+    """labkit.check.stagewise: T in float32 where every rank's step computes in bfloat16 or float16 (its
     slices' parameters, or its autocast), float64 otherwise (a mixed slice too)."""
     import copy
 
-    from labkit.worker.stagewise import _Run, _sixteen
+    from labkit.check.stagewise import _Run, _sixteen
 
     lin = torch.nn.Linear(2, 2)
     run = lambda sl, ac: _Run({0: sl}, [], None, None, [], 1, None, ac, {}, torch.device("cpu"), 0, None)  # noqa: E731

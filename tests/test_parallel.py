@@ -131,7 +131,7 @@ def test_clipping_over_a_sharded_mesh_equals_the_unsplit_models(name, composed):
     import math
 
     from labkit.models.tutorial import build_model, make_batch, tokenwise_loss_fn
-    from labkit.worker.reference import float64_reference, whole_batch_reference
+    from labkit.check.reference import float64_reference, whole_batch_reference
 
     cfg, res = COMPOSED[name], composed[name]
     assert res is not None, composed["__codes__"]

@@ -1,4 +1,4 @@
-"""labkit.worker.pieces: check_stages' float64 reference recomputes a block a piece of the batch at a time in
+"""labkit.check.pieces: check_stages' float64 reference recomputes a block a piece of the batch at a time in
 its backward, with the whole batch's gradients, only where the block treats samples apart (measured), and
 in less memory than the whole block's graph. Single process, no ranks."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import labkit.worker.pieces as pieces_mod
+import labkit.check.pieces as pieces_mod
 from labkit.models import small_lm
-from labkit.worker.lean import checkpointed, read_as_made
+from labkit.check.lean import checkpointed, read_as_made
 
 
 def reference(model: nn.Module, a: torch.Tensor, pieces: int, dtype=torch.float64, **kw):
-    """T's backward of one stage as labkit.worker.stagewise runs it: {name: gradient}, the input's gradient."""
+    """T's backward of one stage as labkit.check.stagewise runs it: {name: gradient}, the input's gradient."""
     grads = {}
     a = a.detach().clone().requires_grad_(a.is_floating_point())
     with checkpointed({0: model}, upcast=dtype, pieces=pieces):
@@ -183,7 +183,7 @@ def test_transformers_layers_in_pieces_have_the_whole_batchs_gradients(model_typ
 
 def step_dtype_reference(model: nn.Module, a: torch.Tensor, offload: bool, autocast=None):
     """R's backward of one stage, its gradients read as made: {name: gradient}, the input's gradient."""
-    from labkit.worker.noise import autocast_ctx
+    from labkit.check.noise import autocast_ctx
 
     grads = {}
     a = a.detach().clone().requires_grad_()

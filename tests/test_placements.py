@@ -17,7 +17,7 @@ import torch, torch.nn as nn
 import torch.distributed as dist
 import torch.distributed.pipelining as P
 from torch.distributed.pipelining import PipelineStage
-import labkit, labkit.worker
+import labkit
 from labkit.worker import placement, run_step
 
 class Block(nn.Module):
@@ -67,7 +67,7 @@ def case(name, per_rank, shared, how, bug=None):
         c = labkit.check_step(full if shared else net, stages, X, Y, losses, M, mse)
     else:
         slices = {k: copy.deepcopy(full[k]) if shared else keep(net, k) for k in held}
-        c = labkit.worker.check_stages(slices, stages, X, Y, losses, M, mse)
+        c = labkit.check_stages(slices, stages, X, Y, losses, M, mse)
     return c.ok, c.failure or "", c.compared == c.expected
 """
 
@@ -159,7 +159,7 @@ def masked(how, roll_on=2):
                 return x
         c = labkit.check_step(Whole(*full), [stage], X, Y, losses, M, mse, kwargs={"mask": MASK})
     else:
-        c = labkit.worker.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse,
+        c = labkit.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse,
                                        kwargs={"mask": MASK})
     return c.ok, c.failure or "", c.where
 """
@@ -195,7 +195,7 @@ def detached(how):
     stage = PipelineStage(mod, rank, dist.get_world_size(), device)
     losses = run_step(P.Schedule1F1B(stage, M, loss_fn=mse), [stage], X, Y)
     c = labkit.check_step(full, [stage], X, Y, losses, M, mse) if how == "step" else \\
-        labkit.worker.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse)
+        labkit.check_stages({rank: copy.deepcopy(full[rank])}, [stage], X, Y, losses, M, mse)
     return c.ok, c.failure or "", c.where, c.no_grad
 """
 
@@ -215,7 +215,7 @@ def test_check_step_too_large_for_a_rank_says_so_before_it_starts(pool2):
     """A model whose references do not fit where the step ran: the estimate and check_stages, on every
     rank, before any of the check's collectives (the rank's free memory is what fits.free_bytes reads)."""
     code = """
-import labkit.worker.fits as fits
+import labkit.check.fits as fits
 _free, fits.free_bytes = fits.free_bytes, lambda device: 1_000   # a rank with 1 kB free
 try:
     case("Schedule1F1B", 1, True, "step")
@@ -230,7 +230,7 @@ said, ok_after, fits.need_bytes(nn.Sequential(Block(), Block()))
     out = pool2.exec(code)
     said, ok_after, need = out[0]
     assert out[0] == out[1]
-    assert "check_step needs at least" in said and "labkit.worker.check_stages" in said, said
+    assert "check_step needs at least" in said and "labkit.check_stages" in said, said
     assert ok_after
     assert need == 2 * (2 * 8 + 8 * 8 + 8) * (3 * 4 + 16)  # 2 blocks of LayerNorm(8) and Linear(8, 8), float32
 
@@ -241,7 +241,7 @@ def test_a_replay_too_large_for_a_rank_is_said_not_killed(pool2):
     replay cannot fit on a rank (fits.replay_too_large), the check still fails, and says what the replay
     needs and how to place the bug, instead of an out-of-memory kill."""
     code = """
-import labkit.worker.fits as fits
+import labkit.check.fits as fits
 _free, fits.free_bytes = fits.free_bytes, lambda device: 1_000   # a rank with 1 kB free
 try:
     said = case("Schedule1F1B", 1, True, "stages", bug=1)

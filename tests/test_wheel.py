@@ -25,7 +25,7 @@ pytestmark = pytest.mark.launches  # a wheel built and installed in a new venv, 
 # What the notebooks import (grep notebooks/*.ipynb for "labkit"): all must come from the wheel.
 NOTEBOOK_IMPORTS = ["labkit", "labkit.notebook.helpers", "labkit.config.run", "labkit.models.tutorial", "labkit.worker.stages", "labkit.theory",
                     "labkit.timeline.plot", "labkit.timeline.compare", "labkit.logs", "labkit.models.workload", "labkit.launching.sweep", "labkit.timeline.perfetto",
-                    "labkit.worker.distributed", "labkit.notebook.explorer", "labkit.worker.reference", "labkit.ranks", "labkit.models",
+                    "labkit.worker.distributed", "labkit.notebook.explorer", "labkit.check.reference", "labkit.ranks", "labkit.models",
                     "labkit.parallel", "labkit.spans"]
 
 USER_SCRIPT = """

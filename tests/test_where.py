@@ -1,4 +1,4 @@
-"""Where a failed step departs (labkit.worker.boundaries through check_step and check_stages), on the
+"""Where a failed step departs (labkit.check.boundaries through check_step and check_stages), on the
 suite's warm 2-rank pool: a small pre-norm transformer (labkit.models.small_lm(), 4 blocks, stages
 blocks 0-1 and 2-3 + head) with planted bugs, each located by stage and module in float32 and under
 bf16 autocast; check_stages where each rank builds only its own layers (1F1B and ZBVZeroBubble), a
@@ -15,7 +15,6 @@ SETUP = """
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 import labkit
-import labkit.worker
 from labkit.models import cut_small_lm, lm_loss, small_lm
 from labkit import CheckStepError
 
@@ -59,7 +58,7 @@ def step(bug=None, dtype=None, schedule="1F1B", whole=True, **kw):
             sched.step(x, target=Y, losses=losses) if rank == 0 else sched.step()
     if whole:
         return labkit.check_step(full, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
-    return labkit.worker.check_stages(slices, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
+    return labkit.check_stages(slices, stages, X, Y, losses, 4, lm_loss, autocast=dtype, **kw)
 """
 
 pool = module_pool(2, SETUP)
@@ -122,7 +121,7 @@ def test_check_stages_refuses_on_every_rank_what_it_cannot_compare(pool):
 full = small_lm(); stage = PipelineStage(cut_small_lm(full, PLAN["1F1B"][rank][0][1], rank == 0, rank == 1), rank, 2, device)
 def refusal(slices, losses):
     try:
-        labkit.worker.check_stages(slices, [stage], X, Y, losses, 4, lm_loss)
+        labkit.check_stages(slices, [stage], X, Y, losses, 4, lm_loss)
     except CheckStepError as e:
         return str(e)
     return None
@@ -160,7 +159,7 @@ def llama_step(bug=False):
     losses = []
     sched = Schedule1F1B(st, 4, loss_fn=hf.loss_fn)
     sched.step(x, **kw) if rank == 0 else sched.step(target=y, losses=losses, **kw)
-    c = labkit.worker.check_stages({rank: hf.meta_stage("llama", pre, rank, [0, 2, 4], device)}, [st], x, y, losses, 4,
+    c = labkit.check_stages({rank: hf.meta_stage("llama", pre, rank, [0, 2, 4], device)}, [st], x, y, losses, 4,
                             hf.loss_fn, kwargs=kw)
     return c.ok, c.failure or "", c.compared == c.expected
 (llama_step(), llama_step(bug=True))

@@ -69,7 +69,7 @@ class RunConfig:
     tolerance: float | None = None
     """Largest absolute difference from the unsplit reference that still counts as a match. Default: none;
     each compared tensor is judged against the float noise measured for this model and data
-    (labkit.worker.noise: within 2x its floor). With --tp-size > 1 the default is 1e-3: TP's split sums
+    (labkit.check.noise: within 2x its floor). With --tp-size > 1 the default is 1e-3: TP's split sums
     flip ReLUs the floor does not model."""
     dtype: str = field(default="float32", metadata=_flag("--dtype", choices=DTYPES))
     """The model's parameters, activations and gradients: float32, bfloat16 (the check's reference in bf16

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ..worker import distributed as worker
 from ..core.errors import ConfigError
 from ..schedules.table import stage_placement
-from ..worker.reference import check_step, stage_grads
+from ..check.reference import check_step, stage_grads
 from ..worker.stages import make_schedule
 from ..models.workload import TimedBlock, WorkloadConfig, full_model, make_batch, mse
 

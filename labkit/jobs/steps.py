@@ -15,8 +15,8 @@ import torch
 
 from ..config.run import RunConfig
 from ..worker import distributed as worker
-from ..worker.noise import autocast_ctx
-from ..worker.reference import stage_grads
+from ..check.noise import autocast_ctx
+from ..check.reference import stage_grads
 
 
 @dataclass

@@ -6,7 +6,7 @@
 Reads its `RunConfig` from the run directory's config.json (`labkit run` writes it; `--config`
 names another). Every rank builds the same full model (same seed), keeps its stages (manual or
 tracer split), runs `steps` steps of the schedule, and checks the FIRST step against one
-forward/backward of the unsplit model on the whole batch (`labkit.worker.reference.check_step`). Rank 0
+forward/backward of the unsplit model on the whole batch (`labkit.check.reference.check_step`). Rank 0
 writes result.json into the run directory. Exit codes: 0 ok, 2 bad configuration, 3 the
 reference check failed. Taught in notebooks 00 and 04.
 """
@@ -29,8 +29,8 @@ from ..worker import distributed as worker
 from ..core.errors import ConfigError
 from ..config.run import RunConfig
 from ..models.adapter import adapter as model_adapter
-from ..worker.noise import autocast_ctx
-from ..worker.reference import check_step
+from ..check.noise import autocast_ctx
+from ..check.reference import check_step
 from ..worker.shared import shared_work
 from .steps import BenchOptions, StepPlan, compile_counts, run_steps
 
@@ -190,7 +190,7 @@ class Outcome:
     """What the steps and the check found, for result.json."""
 
     check: Any
-    """The reference check (worker.reference.Check), every rank's step times and peaks in its extras."""
+    """The reference check (labkit.check.reference.Check), every rank's step times and peaks in its extras."""
     step_losses: list[float]
     """Each step's mean loss, from the rank that holds the last stage."""
     checked_microbatches: int

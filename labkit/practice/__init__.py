@@ -4,7 +4,7 @@ Owns two small concerns, each in its module:
 
 - `loss`: losses normalised by a GLOBAL count of valid tokens (padding, `ignore_index=-100`), the check of
   such a step against the unsplit model's token mean (`check_token_step`, a thin layer over
-  `labkit.worker.reference.check_step`), and the least-squares weights of an accumulated gradient over
+  `labkit.check.reference.check_step`), and the least-squares weights of an accumulated gradient over
   per-batch reference gradients (how `scale_grads=True` turns a sum of steps into a moving average);
 - `measure`: what a step costs beside its time: bytes sent between ranks (`SentBytes`), autocast's
   weight copies saved for the backward (`WeightCopies`), a fresh activation tracker per measured step
@@ -13,7 +13,7 @@ Owns two small concerns, each in its module:
 
 Runs inside the ranks (live ranks' cells).
 
-May import: labkit.core (lazy exports), labkit.worker (reference, memory). Never the launching side.
+May import: labkit.core (lazy exports), labkit.worker (memory), labkit.check (reference). Never the launching side.
 """
 
 from ..core import exports as _exports

@@ -61,7 +61,7 @@ def check_token_step(full, stages, x, y, losses, n_microbatches: int, n_valid: i
     token sum over `n_valid`, times `n_microbatches`, so the mean check_step backpropagates is the token
     mean; the pipelined losses are multiplied by `n_microbatches` to the same unit (exact for a power of
     two). Other keyword arguments go to `check_step` (prefix_stage_index, autocast, tolerance...)."""
-    from ..worker.reference import check_step
+    from ..check.reference import check_step
 
     n = valid_tokens(y, ignore_index) if n_valid is None else n_valid
 

@@ -8,7 +8,8 @@ Taught in notebook 00 (live ranks), used by 01-02 (stages typed by hand) and 04-
 05 chooses one with choose.py).
 
 May import: labkit.core, labkit.versions, labkit.logs, labkit.schedules, labkit.spans, labkit.config,
-labkit.worker (the rank side), labkit.timeline, labkit.launching (the torchrun launch of the pool).
+labkit.worker (the rank side), labkit.check (choose's check_step), labkit.timeline, labkit.launching (the
+torchrun launch of the pool).
 """
 
 from ..core import exports as _exports

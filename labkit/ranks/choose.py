@@ -12,7 +12,7 @@ each (schedule, m) the pool's ranks call the learner's `build(schedule, m)` (a f
 namespace returning `(full, stages, schedule_object)`: the unsplit model, this rank's PipelineStages
 cut from it, the schedule built on them), run one warm-up step (imports, buffers, first-call costs),
 then one measured step in a cell of its own, with a FRESH `labkit.worker.memory.SavedTensorTracker`
-on the stages, and check that step against the unsplit model (`labkit.worker.reference.check_step`,
+on the stages, and check that step against the unsplit model (`labkit.check.reference.check_step`,
 its noise verdict). The step time is that cell's makespan from its spans (`pool.timeline(cell)`:
 both ends of every action, measured in the ranks; it includes the tracker's hooks, a few
 microseconds per saved tensor). The peak is the most activation bytes one rank's stages held at
@@ -210,7 +210,7 @@ def rank_measured_step(ns: dict) -> None:
 
 def rank_check(ns: dict, loss_fn, prefix_stage_index: bool) -> dict:
     """On each rank (a collective): the measured step against the unsplit model, and this rank's peak."""
-    from ..worker.reference import check_step
+    from ..check.reference import check_step
 
     c = ns[CHOICE_NS]
     check = check_step(c["full"], c["stages"], c["x"], c["y"], c["losses"], c["m"], loss_fn,

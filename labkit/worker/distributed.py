@@ -238,7 +238,7 @@ def run_dir(override: str | os.PathLike | None = None) -> Path:
 
 
 def noise_fields(check) -> dict:
-    """The check's float-noise figures for result.json (labkit.worker.noise): the worst ratio to the
+    """The check's float-noise figures for result.json (labkit.check.noise): the worst ratio to the
     measured floor, the limit, where it went wrong, and the 10 tensors with the largest ratios."""
     figs = sorted(getattr(check, "figures", []), key=lambda f: -f.ratio)
     return {"multiple": getattr(check, "noise_multiple", None), "worst_ratio": figs[0].ratio if figs else None,

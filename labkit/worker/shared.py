@@ -3,7 +3,7 @@ other (`labkit.jobs.train.run_items`) differ mostly in schedule and dtype, not i
 batch or the cut. Inside `shared_work()`, what a run computes from those alone is computed once:
 
 - the tracer's `pipeline()` trace of a cut (`labkit.worker.stages.trace_pipe`, ~5 s of CPU each);
-- the reference check's three references of the unsplit model (`labkit.worker.reference`: whole
+- the reference check's three references of the unsplit model (`labkit.check.reference`: whole
   batch, microbatch by microbatch, float64), the same for every schedule of one model and batch.
 
 Each is keyed by everything it depends on (`digest`: every weight's and input's bytes), so a run

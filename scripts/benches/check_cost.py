@@ -1,5 +1,5 @@
 """The check's cost: one 1F1B step on 2 CPU ranks (a warm labkit.Ranks pool), then `labkit.check_step` (the
-whole model on every rank) and `labkit.worker.check_stages` (each rank's slices only) of it, per rank: wall
+whole model on every rank) and `labkit.check_stages` (each rank's slices only) of it, per rank: wall
 time, CPU time and peak memory (the rank's RSS high-water mark above what it held before), medians of several
 rounds with the checks' order alternating, then rounds with a bug planted so that both fail. Also RESULTS.md's
 section for it (how, a reading, a row per rank)."""
@@ -13,14 +13,14 @@ import textwrap
 
 from . import common
 
-CHECK_HEADING = "labkit/worker/stagewise.py and boundaries.py: the check's cost"
+CHECK_HEADING = "labkit/check/stagewise.py and boundaries.py: the check's cost"
 CHECK_MODELS = {"small_lm": {"dim": 256, "n_blocks": 8, "batch": 16, "seq": 64},
                 "llama": {"dim": 256, "n_blocks": 8, "batch": 16, "seq": 64}}
 CHECK_SETUP = textwrap.dedent("""
     import ctypes, dataclasses, gc, re, time
     import torch, torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    import labkit, labkit.worker
+    import labkit
 
     M = 4  # microbatches
     size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())
@@ -85,7 +85,7 @@ CHECK_SETUP = textwrap.dedent("""
         losses, out["step"] = measured(step)
         args = ([P["pipe"]], P["x"], P["y"], losses, M, P["loss_fn"])
         checks = {"check_step": lambda: labkit.check_step(P["full"], *args, kwargs=P["kw"]),
-                  "check_stages": lambda: labkit.worker.check_stages({rank: P["slice"]}, *args, kwargs=P["kw"])}
+                  "check_stages": lambda: labkit.check_stages({rank: P["slice"]}, *args, kwargs=P["kw"])}
         for name in order:
             check, out[name] = measured(checks[name])
             out[name]["ok"] = check.ok
@@ -108,7 +108,7 @@ def check_cost(models: dict = CHECK_MODELS, repeats: int = 5, failing: int = 3) 
     """Per rank, the wall time and peak memory of one 1F1B step (2 CPU ranks, 4 microbatches) and of
     `check_step` and `check_stages` on it, medians of `repeats` rounds (the checks' order alternating),
     each model on the same warm pool; then `failing` rounds with a 1% error planted in one module of the
-    last stage (the checks fail and replay each stage in float64, labkit.worker.boundaries)."""
+    last stage (the checks fail and replay each stage in float64, labkit.check.boundaries)."""
     from labkit.ranks import Ranks
 
     orders = [("check_step", "check_stages"), ("check_stages", "check_step")]
@@ -163,7 +163,7 @@ def _check_cost_how(cc: dict) -> str:
         when += (f", load average {cc['load'][0]} at the start and {cc['load'][1]} at the end on {os.cpu_count()} "
                  "cores (other work shares them: wall times scatter, CPU times less)")
     return (f"One 1F1B step on 2 CPU ranks (gloo, {cc['models'][0]['microbatches']} microbatches, a warm "
-            "`labkit.Ranks` pool), then `labkit.check_step` and `labkit.worker.check_stages` of it, per rank: wall "
+            "`labkit.Ranks` pool), then `labkit.check_step` and `labkit.check_stages` of it, per rank: wall "
             f"time, CPU time (the rank's threads) and peak memory, medians of {cc['repeats']} rounds (the checks' "
             f"order alternating){when}. Models: {models}. Peak memory is the rank process's resident set (RSS) "
             "high-water mark during the call minus its RSS just before (Linux VmHWM, reset through "
@@ -186,8 +186,8 @@ def _check_cost_reading(cc: dict, ranks: list[dict]) -> str:
             "makes its own gradient, so that one reference's gradients are held at a time; each layer "
             "checkpointed, the float64 one cast as each module runs, float32 for a 16-bit step, and its backward "
             "recomputing each innermost layer a microbatch's piece of the batch at a time where the layer treats "
-            "samples apart and that lowers its peak: labkit.worker.pieces; each gradient read "
-            "as it is made; freed memory handed back before each module runs: labkit.worker.lean), chained along "
+            "samples apart and that lowers its peak: labkit.check.pieces; each gradient read "
+            "as it is made; freed memory handed back before each module runs: labkit.check.lean), chained along "
             "the pipeline: its peak was "
             f"{ratio('check_stages', 'check_step', 'peak_bytes')} "
             f"of check_step's and its CPU time {ratio('check_stages', 'check_step', 'cpu_s')}, since it follows the "
@@ -199,7 +199,7 @@ def _check_cost_reading(cc: dict, ranks: list[dict]) -> str:
     rounds = f"medians of {cc['failing']} rounds" if cc["failing"] > 1 else "one round"
     return text + (f" Failing ({rounds}, a 1% error planted in one module of the last stage "
                    "by a forward hook): the checks then replay each stage in float64, every module's input and output "
-                   "held against the reference's (labkit.worker.boundaries, located), which added "
+                   "held against the reference's (labkit.check.boundaries, located), which added "
                    f"{' and '.join(cpu)}, at "
                    + " and ".join(_span([v["failing"][p]["peak_bytes"] / v[p]["peak_bytes"] for v in ranks])
                                   for p in CHECKS) + " their passing peaks.")

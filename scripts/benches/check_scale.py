@@ -1,9 +1,9 @@
 """The check at scale: a transformers Llama of about 1B parameters, built from its config, each of 4 CPU ranks
 materialising only its own stage and its slice from `meta` (labkit.models.hf.meta_stage), stepped with
-Schedule1F1B and checked by `labkit.worker.check_stages`; per rank the wall time, CPU time and peak memory of
+Schedule1F1B and checked by `labkit.check_stages`; per rank the wall time, CPU time and peak memory of
 the step and of the check (the rank's RSS high-water mark above what it held just before, as check_cost
 measures it), and what `labkit.check_step` says before it starts (it would need the whole model and its
-references on every rank: labkit.worker.fits). Also RESULTS.md's section for it."""
+references on every rank: labkit.check.fits). Also RESULTS.md's section for it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import textwrap
 
 from .check_cost import CHECK_SETUP, _mb
 
-SCALE_HEADING = "labkit/worker/stagewise.py at scale: a 1B-parameter Llama checked over 4 CPU ranks"
+SCALE_HEADING = "labkit/check/stagewise.py at scale: a 1B-parameter Llama checked over 4 CPU ranks"
 SCALE_SIZES = {"dim": 2048, "n_layers": 14, "n_heads": 16, "vocab": 8192, "batch": 4, "seq": 64, "microbatches": 4,
                "dtype": "bfloat16"}
 """0.97B parameters. In bfloat16: in float32 the ranks' stages, slices and gradients alone would hold 12 GB, and
@@ -42,9 +42,9 @@ SCALE_SETUP = CHECK_SETUP + textwrap.dedent("""
             else:
                 schedule.step(**kw)
         _, step_cost = measured(step)
-        check, check_cost = measured(lambda: labkit.worker.check_stages(slices, [stage], x, y, losses, microbatches,
+        check, check_cost = measured(lambda: labkit.check_stages(slices, [stage], x, y, losses, microbatches,
                                                                         hf.loss_fn, kwargs=kw))
-        from labkit.worker.fits import too_large
+        from labkit.check.fits import too_large
         refused = too_large(hf.build_hf("llama", pre, device="meta").to(getattr(torch, dtype)), device)
         held = sum(p.numel() for p in module.parameters())
         return {"whole_params": whole, "stage_params": held, "ok": check.ok, "compared": check.compared,
@@ -79,7 +79,7 @@ def _check_scale_rows(cs: dict | None) -> list[str]:
            f"{cs.get('dtype', 'float32')}), cut into "
            f"{len(ranks)} stages over {len(ranks)} warm CPU ranks (gloo), each rank materialising only its stage and "
            f"its slice from meta; one Schedule1F1B step of {cs['batch']} sequences of {cs['seq']} tokens in "
-           f"{cs['microbatches']} microbatches, then labkit.worker.check_stages{when}. Peak memory: the rank's RSS "
+           f"{cs['microbatches']} microbatches, then labkit.check_stages{when}. Peak memory: the rank's RSS "
            "high-water mark during the call above its RSS just before (as in the check's cost above).")
     passed = all(v["ok"] and v["compared"] == v["expected"] for v in ranks.values())
     reading = (f"Reading: the check {'passed with every parameter compared' if passed else 'DID NOT pass'}; its peak "

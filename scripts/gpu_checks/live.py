@@ -11,7 +11,7 @@ from .common import FAIL, MIN_JOB_S, PASS, Check, first_line
 STEP_CELL = """
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-from labkit.worker.reference import check_step
+from labkit.check.reference import check_step
 
 torch.manual_seed(0)
 full = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)]).to(device)
@@ -26,9 +26,9 @@ sched.step(x, target=y, losses=losses)
 step_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
 check = check_step(full, stages, x, y, losses, 4, nn.functional.mse_loss, device=device)
 # check_stages on the same step: its slices (copies of the unsplit model's parts, not the stages), its float64
-# and microbatched references on the host, and the saved tensors of R's recomputed blocks (labkit.worker.pieces,
+# and microbatched references on the host, and the saved tensors of R's recomputed blocks (labkit.check.pieces,
 # offload); what it adds to the device above what the rank held before it
-from labkit.worker import check_stages
+from labkit import check_stages
 import copy as _copy
 slices = {s: _copy.deepcopy(full[2 * s:2 * s + 2]) for s in range(2)}
 if cuda:
@@ -167,7 +167,7 @@ def live_step(check: Check, pool, t0: float) -> None:
 
 def stages_problems(got: dict) -> list[str]:
     """check_stages on the part's step: it must pass, and on a GPU add at most half the step's own peak to the
-    device (its float64 and microbatched references run on the host: labkit.worker.stagewise)."""
+    device (its float64 and microbatched references run on the host: labkit.check.stagewise)."""
     problems = [] if got.get("stages_ok") else [f"check_stages failed the correct step (worst "
                                                 f"{got.get('stages_worst', float('nan')):.2g}x its floor)"]
     step, added = got.get("step_peak_bytes"), got.get("check_stages_added_bytes")

@@ -1,9 +1,10 @@
 """What a failed check says: stage values held against the unsplit model's before anything else
 (`stage_values`, `value_diff`), and where the step departs (`located_step`: each stage replayed by
-labkit.worker.boundaries against a float64 run of the whole unsplit model; `located_stages`: against
+labkit.check.boundaries against a float64 run of the whole unsplit model; `located_stages`: against
 each rank's slices, check_stages; `say`: the sentence, for both).
 
-May import: torch, labkit.worker (noise, boundaries, fits, lean)."""
+May import: torch, labkit.check (noise, boundaries, inputs, fits, lean), labkit.spans
+(compiled, received)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .noise import Figure, canonical, travel_hint
 
 def say(departures: list[Departure], figures: list[Figure], said: str, reference: str = "the unsplit model",
         fed: tuple[list[str], set] | None = None) -> str:
-    """The localisation first: what a stage received wrong (`fed`: labkit.worker.inputs.findings), then
+    """The localisation first: what a stage received wrong (`fed`: labkit.check.inputs.findings), then
     where a stage's own code departs (or, when every stage computes as `reference`, what travelled
     wrong), then what the figures show (`said`)."""
     wrong, fed_stages = fed or ([], set())
@@ -45,7 +46,7 @@ def say(departures: list[Departure], figures: list[Figure], said: str, reference
 
 
 def fed_wrong(stages, x, kwargs, n_microbatches: int, chunk_dim: int, group) -> tuple[list[str], set] | None:
-    """Collective: what each stage received against the reference's cut (labkit.worker.inputs); None when no
+    """Collective: what each stage received against the reference's cut (labkit.check.inputs); None when no
     rank recorded anything (a process the kit did not start)."""
     from . import inputs
 
@@ -248,7 +249,7 @@ def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
     """check_stages' failure localised (its `_Run` run; `cuts`: {stage: T's Cut there}): each of this rank's
     stages replayed in float64 on T's input at its cut, against its slice in float64 (collective: every
     rank gets every departure), after what each stage received against the reference's cut
-    (labkit.worker.inputs). A replay that cannot fit on the rank is said, not run (labkit.worker.fits)."""
+    (labkit.check.inputs). A replay that cannot fit on the rank is said, not run (labkit.check.fits)."""
     from .fits import replay_too_large
     from .lean import copy64
 
@@ -259,7 +260,7 @@ def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
         cut = _cut64(run, cuts[k], k + 1 == run.n_stages)
         wide = cut.grad_out if torch.is_tensor(cut.grad_out) else cut.a_in  # stage 0's input: token ids
         too_large = replay_too_large([run.slices[k], s.submod], wide, run.device)
-        if too_large:  # said instead of an out-of-memory kill (labkit.worker.fits)
+        if too_large:  # said instead of an out-of-memory kill (labkit.check.fits)
             deps.append(Departure(k, "unreplayed", "", detail=too_large))
             continue
         ref64 = copy64(run.slices[k])

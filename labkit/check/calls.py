@@ -4,7 +4,7 @@ reports what it holds (`_local_report`), every rank reads the same reports (`_ve
 wrong microbatch count, losses on the wrong rank, a stage held twice or by no rank, parameter names
 that are not the unsplit model's or collide across stages).
 
-May import: torch, labkit.worker.noise."""
+May import: torch, labkit.check (noise; fits and compiled_floor when a check is refused or compiled)."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class _Call:
     values: dict | None = None
     compiled: dict | None = None
     """None: no stage of the pipeline is compiled; else what compiling changed, measured
-    (labkit.worker.compiled_floor.probes_for_check_step)."""
+    (labkit.check.compiled_floor.probes_for_check_step)."""
     inferred: bool = False
     """prefix_stage_index was None and the names decided it (`_agree_comparable`)."""
 

@@ -1,9 +1,9 @@
 """check_step's comparison of one rank's part of a step: each stage parameter's gradient and each
 microbatch's loss held against the references (whole batch R, microbatched C, float64 T), one Figure
-each (labkit.worker.noise), with why a parameter held got no gradient (labkit.worker.located) and, in a
-compiled pipeline, what compiling changed (labkit.worker.compiled_floor).
+each (labkit.check.noise), with why a parameter held got no gradient (labkit.check.located) and, in a
+compiled pipeline, what compiling changed (labkit.check.compiled_floor).
 
-May import: torch, labkit.worker (noise, boundaries, located)."""
+May import: torch, labkit.check (noise, boundaries, located)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def compare_losses(c, mine: list[float], refs: tuple, last_stage, figures: list)
 
 def compare_grads(c, grads: dict, refs: tuple, figures: list, no_grad: list) -> tuple[float, int]:
     """Each stage parameter's gradient against the reference: a figure each (appended to `figures`),
-    the parameters held but given no gradient (`no_grad`, each with why: labkit.worker.located.why_no_grad),
+    the parameters held but given no gradient (`no_grad`, each with why: labkit.check.located.why_no_grad),
     the largest absolute difference and how many elements were compared (a tied weight's copy is compared,
     not counted again)."""
     ref, probe, truth = refs

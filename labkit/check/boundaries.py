@@ -20,10 +20,10 @@ reference, so it agrees to a few float64 ulps; REPLAY_RTOL (1e-9 of the tensor's
 the floor, far above that and far below any bug a float32 or bf16 check can see. When every stage
 agrees, the fault lies outside the stages: how microbatches or activations travelled, or the loss.
 
-Used by check_step (labkit.worker.reference: the whole unsplit model on every rank) and check_stages
-(labkit.worker.stagewise: each rank's slices only). Taught in notebook 09b.
+Used by check_step (labkit.check.reference: the whole unsplit model on every rank) and check_stages
+(labkit.check.stagewise: each rank's slices only). Taught in notebook 09b.
 
-May import: torch, labkit.worker.noise."""
+May import: torch, labkit.check.noise."""
 
 from __future__ import annotations
 

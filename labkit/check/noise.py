@@ -21,7 +21,7 @@ max|P - R| <= NOISE_MULTIPLE * floor.
 NOISE_MULTIPLE = 2: above what every correct run of the suite reads (every schedule x split, the
 transformers models, FSDP2, data parallelism, accumulation, resume, bf16 and float64 runs:
 tests/test_reference_runs.py) and far below what the known bugs read (tests/test_noise.py); the
-figures are in bench/RESULTS.md, "labkit/worker/noise.py". Tensor parallelism is not modelled: its
+figures are in bench/RESULTS.md, "labkit/check/noise.py". Tensor parallelism is not modelled: its
 split sums put a pre-activation within rounding of 0 on the other side of a ReLU, a jump no
 reordering of the reference's own sums makes: TP keeps an absolute tolerance (RunConfig's 1e-3).
 Under bf16 a small bug shows or hides by where it enters, not by its size alone: a change that bf16
@@ -32,7 +32,7 @@ rounding moves every later loss (notebook 09b: the same 0.1% bias error hidden i
 Where it went wrong (`where`): which microbatches' losses are outside, which stages' gradients, the
 largest ratios by the unsplit model's names, and what that pattern points to.
 
-May import: torch. Used by labkit.worker.reference.check_step."""
+May import: torch. Used by labkit.check.reference.check_step."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Figure:
     fit: float = 1.0          # <P, R> / <R, R>: the factor P is R scaled by (1 when equal)
     reorder: float = 0.0      # max |microbatched - reference|: the reference against itself in a pipeline's order
     own: float | None = None  # max |reference - float64 truth|: the reference's own rounding (None: no truth)
-    compiled: float | None = None  # what a compiled pipeline added to the floor (labkit.worker.compiled_floor)
+    compiled: float | None = None  # what a compiled pipeline added to the floor (labkit.check.compiled_floor)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,9 +83,9 @@ def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tens
     parts were added up into it in an order the reference does not know (the microbatches, times the
     replicas: a gradient); `dtype`: what it was kept in, where the tensors given are not (losses
     passed as Python floats). `reorder`, `own`: max|probe - ref| and max|truth - ref| already taken (a check
-    that frees each reference's tensors as soon as it has read them, labkit.worker.stagewise). `compiled`:
+    that frees each reference's tensors as soon as it has read them, labkit.check.stagewise). `compiled`:
     the pipeline has a compiled stage: what compiling measured for this tensor (0: nothing measured), taken
-    with one more rounding of the reference's own into the floor (labkit.worker.compiled_floor)."""
+    with one more rounding of the reference's own into the floor (labkit.check.compiled_floor)."""
     scale, err, rr, pr = _stats(pipelined, ref)
     if reorder is None:
         reorder = max_abs_diff(probe, ref)
@@ -102,7 +102,7 @@ def figure(kind: str, name: str, stage, pipelined: torch.Tensor, ref: torch.Tens
 
 CHUNK = 1 << 20
 """Elements per float64 piece of a figure: a large tensor (an embedding's gradient) is compared in pieces,
-never as whole float64 copies of it and its reference (labkit.worker.stagewise's memory, bench/RESULTS.md)."""
+never as whole float64 copies of it and its reference (labkit.check.stagewise's memory, bench/RESULTS.md)."""
 
 
 def _pieces(a: torch.Tensor, b: torch.Tensor):

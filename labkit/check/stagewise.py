@@ -6,20 +6,20 @@ stage this rank holds to the user's own layers for that stage, computing as the 
 (built from the same seed or loaded from the same checkpoint, never the stage module itself). The
 reference then runs as a chain along the pipeline, whole batch, stage after stage: each rank runs its
 slices and sends the activation at each cut to the next stage's rank, then the gradients back. Three
-chains, as check_step's three references (labkit.worker.noise): in the step's dtype and autocast
+chains, as check_step's three references (labkit.check.noise): in the step's dtype and autocast
 (R), microbatch by microbatch (C), in float64 (T; float32 for a 16-bit step). The losses, every
 gradient and every value are judged against their measured floors as check_step judges them; a failure
-is localised by the same float64 replay of each stage on T's input at its cut (labkit.worker.boundaries,
-labkit.worker.located), against the slice.
+is localised by the same float64 replay of each stage on T's input at its cut (labkit.check.boundaries,
+labkit.check.located), against the slice.
 
 No rank holds more than its own slices, one reference's gradients of them (C's sums, then R's: R reads
-C's against its own as it makes each and frees it), one block's graph at a time (labkit.worker.lean:
+C's against its own as it makes each and frees it), one block's graph at a time (labkit.check.lean:
 each block checkpointed, T cast to its dtype module by module as it runs, each gradient read as it is
 made; T's backward a microbatch's piece of the batch at a time where a layer treats samples apart:
-labkit.worker.pieces) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
+labkit.check.pieces) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
 bench/RESULTS.md.
 
-May import: torch, labkit.worker (noise, calls, boundaries, reference's Check)."""
+May import: torch, labkit.check (noise, calls, boundaries, compiled_floor, lean, located, reference's Check)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
                kwargs or {}, torch.device(device), chunk_dim, group)
     _agree(run)
     # C first, its gradients summed; R reads each of them against its own as it makes it and frees it, so that
-    # a rank never holds two references' gradients at once (labkit.worker.lean; bench/RESULTS.md)
+    # a rank never holds two references' gradients at once (labkit.check.lean; bench/RESULTS.md)
     refs = {"C": _chain(run, "C")}
     give_back()
     refs["R"] = _chain(run, "R", against=refs["C"])
@@ -94,12 +94,12 @@ class _Run:
     holders: dict = field(default_factory=dict)
     seen: set = field(default_factory=set)
     """{(stage, module name of its slice)} that ran in R: T casts each of them as it runs
-    (labkit.worker.lean.checkpointed)."""
+    (labkit.check.lean.checkpointed)."""
     truth_dtype: torch.dtype = torch.float64
     """T's dtype: float64, or float32 where every rank's step computes in 16 bits (`_sixteen`)."""
     compiled: dict | None = None
     """None: no stage of the pipeline is compiled; else {(stage, name): what compiling changed in this
-    rank's compiled stages' gradients ("" : the loss)}, labkit.worker.compiled_floor."""
+    rank's compiled stages' gradients ("" : the loss)}, labkit.check.compiled_floor."""
     """{stage index: the group rank that holds it}, agreed by `_agree`."""
 
     @property
@@ -167,7 +167,7 @@ def _sixteen(run: _Run) -> bool:
     """Whether this rank's step computes in 16 bits (its slices' parameters, or its autocast): then T computes
     in float32, whose rounding is 2^16 times finer than bfloat16's (2^13 than float16's), so R's own error
     reads the same, in half float64's bytes (a 1B bfloat16 Llama: bench/RESULTS.md). T's gradients reach
-    the parameters rounded to their dtype either way (labkit.worker.lean.checkpointed)."""
+    the parameters rounded to their dtype either way (labkit.check.lean.checkpointed)."""
     low = (torch.bfloat16, torch.float16)
     dtypes = {p.dtype for sl in run.slices.values() for p in sl.parameters() if p.is_floating_point()}
     return run.autocast in low or (bool(dtypes) and dtypes <= set(low))
@@ -188,7 +188,7 @@ class _Chain:
     cuts: dict[int, Cut] = field(default_factory=dict)
     mb0: dict[int, tuple] = field(default_factory=dict)
     """R, where a stage is compiled: {stage: (microbatch 0's input at its cut, its kwargs, the gradient at
-    its output for that microbatch alone or None, its loss or None)}, for labkit.worker.compiled_floor."""
+    its output for that microbatch alone or None, its loss or None)}, for labkit.check.compiled_floor."""
 
 
 def _send(run: _Run, obj, k: int) -> None:
@@ -213,8 +213,8 @@ def _chain(run: _Run, mode: str, against: _Chain | None = None) -> _Chain:
     chains keep only each block's input in their graph (`lean.checkpointed`: each block recomputed in the
     backward, the same numbers). On a GPU, C and T
     run on the host, and R keeps its gradients there (the device then holds only R's graph:
-    labkit.worker.inputs' docstring), each block's recomputation saving its tensors on the host too
-    (labkit.worker.pieces, offload)."""
+    labkit.check.inputs' docstring), each block's recomputation saving its tensors on the host too
+    (labkit.check.pieces, offload)."""
     m, out, d = run.n_microbatches, _Chain(), run.chunk_dim
     host = run.device.type == "cuda" and mode != "R"
     dev = torch.device("cpu") if host else run.device
@@ -357,7 +357,7 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
 
 def _compiled(run: _Run, k: int, name: str) -> float | None:
     """What compiling measured for stage k's `name` ("": the loss), 0.0 where nothing was measured in a
-    compiled pipeline, None where no stage is compiled (labkit.worker.compiled_floor)."""
+    compiled pipeline, None where no stage is compiled (labkit.check.compiled_floor)."""
     return None if run.compiled is None else run.compiled.get((k, name), 0.0)
 
 

@@ -11,7 +11,7 @@ microbatch 1's `pad_mask`, microbatch 0's cut"), else as no microbatch's. The co
 same bytes (data, or what one stage sent and the next received), so they are exact up to the order of a
 float64 sum: no float noise to measure. They only place a failure; the verdict stays the figures'.
 
-May import: torch, labkit.spans (received), labkit.worker.noise."""
+May import: torch, labkit.spans (received), labkit.check.noise."""
 
 from __future__ import annotations
 

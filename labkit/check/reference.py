@@ -21,7 +21,7 @@ from .calls import CheckStepError, _agree_comparable, _Call  # noqa: F401  (Chec
 from .compared import compare_grads, compare_losses
 from .noise import (NOISE_MULTIPLE, STEP_KINDS, Figure, autocast_ctx, canonical, chunk_kwargs, figure, reference_copy,
                     summary, where, within_noise)
-from .shared import digest, is_shared, memo, module_key
+from ..worker.shared import digest, is_shared, memo, module_key
 
 
 @dataclass
@@ -82,7 +82,7 @@ def microbatched_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=
     """The unsplit `model` run microbatch by microbatch, as a pipeline adds the numbers up: each
     microbatch's forward and loss, its backward accumulating into the gradients, then the sum divided
     by the number of microbatches (torch's scale_grads). The same numbers as `whole_batch_reference`
-    in another order: how far the two differ is this model's float noise (labkit.worker.noise)."""
+    in another order: how far the two differ is this model's float noise (labkit.check.noise)."""
     ref = reference_copy(model).to(device)
     ref.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
@@ -157,7 +157,7 @@ class Check:
     """Each rank's `extra` floats, in rank order (e.g. step times, peak memory)."""
     figures: list[Figure] = field(default_factory=list)
     """Every compared tensor (each microbatch's loss, each gradient, the output): its error against the
-    reference, the floor measured for this model and data, their ratio (labkit.worker.noise)."""
+    reference, the floor measured for this model and data, their ratio (labkit.check.noise)."""
     noise_multiple: float = NOISE_MULTIPLE
     where: str = ""
     """What diverges and what that points to, when the step is outside float noise."""
@@ -169,7 +169,7 @@ class Check:
     bug), each with its largest difference: reported before anything else."""
     no_grad_why: list[str] = field(default_factory=list)
     """Why each of `no_grad` got no gradient (its module never ran in the stage's forward, or ran and its
-    output was cut off from the loss: labkit.worker.located.why_no_grad), in the same order."""
+    output was cut off from the loss: labkit.check.located.why_no_grad), in the same order."""
 
     def __post_init__(self):
         if self.no_grad and not self.no_grad_why:  # "stage 1's 'w' (why)", as the ranks gathered them
@@ -183,7 +183,7 @@ class Check:
     @property
     def worst_ratio(self) -> float:
         """The worst ratio of the step's own tensors (losses, gradients, output); a failed check's boundary
-        figures (kind "boundary": float64 replays, labkit.worker.boundaries) are not among them."""
+        figures (kind "boundary": float64 replays, labkit.check.boundaries) are not among them."""
         return max((f.ratio for f in self.figures if f.kind in STEP_KINDS), default=0.0)
 
     @property
@@ -258,14 +258,14 @@ def check_step(full: nn.Module, stages, x, y, losses, n_microbatches: int, loss_
     name} for a tied parameter that a stage holds once under its other name (a traced BERT);
     clip_grad_norm: the reference's gradients clipped to this global norm, as the run's were;
     tolerance: None (the default): each compared tensor is judged against the float noise measured
-    for this model and data (labkit.worker.noise: within NOISE_MULTIPLE = 2 times its floor), which
+    for this model and data (labkit.check.noise: within NOISE_MULTIPLE = 2 times its floor), which
     tells a bug from rounding in float32 and bf16 alike; a number: an absolute bound on every
     difference instead (e.g. 1e-3 for tensor parallelism, whose split sums the floor does not model);
     values: each stage's parameters as they were at the step ({stage_index: {name in the stage module:
     tensor}}), when the stages changed since (an optimizer step, as the kit's jobs check their first step
     after the last): the values check and a failure's replay read them; default: the stages' own now;
     autocast: the dtype the step ran under torch.autocast with: the references run under it too (cast
-    cache off: run the step as `labkit.worker.noise.autocast_ctx` does, or read the failure's hint).
+    cache off: run the step as `labkit.check.noise.autocast_ctx` does, or read the failure's hint).
     The returned Check carries every compared tensor's figures (error, floor, ratio), and a failure
     says where the step went wrong (which losses, stages and parameters) in either mode.
     Every rank gets the same verdict. A call that cannot be compared (the microbatch count against the
@@ -347,7 +347,7 @@ def _references_key(c: _Call) -> tuple | None:
 
 def _decide(c: _Call, found: _Findings, ref: Reference, why: list[str]) -> Check:
     """Every rank's findings gathered over the pipeline (collectives), and the one verdict."""
-    from . import distributed as worker
+    from ..worker import distributed as worker
 
     per_rank = worker.all_gather_floats([found.gmax, float(found.numel), found.ldiff, found.odiff,
                                          float(c.has_last), *c.extra], c.device, c.group)

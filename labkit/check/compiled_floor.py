@@ -1,6 +1,6 @@
 """What compiling a stage changes in its numbers, measured, so that a correct compiled step is never
 failed: inductor fuses and reorders a stage's float operations, so its results carry a rounding of their
-own that the eager references (labkit.worker.noise: R, C, T) do not share. A gradient that is zero in
+own that the eager references (labkit.check.noise: R, C, T) do not share. A gradient that is zero in
 exact arithmetic (a key projection's bias, under softmax) is pure rounding: eager 1e-17, compiled 2e-10
 on the same data (measured on labkit.models.small_lm, inductor, torch 2.15), far above a floor taken
 from the eager references.
@@ -13,7 +13,7 @@ other figure's floor gets one more rounding of its own (a compiled neighbour's r
 through the activations and gradients it sends). A bug in the stage's code is in both runs: the probe
 measures compilation, nothing else. The figures say so (`Figure.compiled`).
 
-May import: torch, labkit.worker (boundaries, located, noise)."""
+May import: torch, labkit.check (boundaries, located, noise)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def probe(module: nn.Module, a_in, kwargs: dict, grad_out=None, loss=None, ctx=N
 
 def probes_for_check_step(c) -> dict:
     """check_step's measure (collective over the pipeline, `c` its call): the unsplit model run on microbatch
-    0 alone in the step's dtype, each cut's input and gradient recorded (as labkit.worker.located finds a
+    0 alone in the step's dtype, each cut's input and gradient recorded (as labkit.check.located finds a
     stage's cut), and each compiled stage of this rank probed there. {(stage, unsplit model's name): what
     compiling changed}; (last stage, ""): the loss."""
     from .boundaries import Recorder, stage_names

@@ -1,5 +1,5 @@
 """A checkpointed block of check_stages' float64 reference (T) recomputed a piece of the batch at a time in
-its backward (labkit.worker.lean.checkpointed): the block's whole-batch graph in float64 was the check's
+its backward (labkit.check.lean.checkpointed): the block's whole-batch graph in float64 was the check's
 largest allocation (one small_lm block on 16 x 64 tokens: about 36 MB of saved tensors, twice the step's
 float32 activations of a microbatch), while its gradient is the sum of its pieces' wherever the block
 treats each sample apart, as a transformer layer does.

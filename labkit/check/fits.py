@@ -10,7 +10,7 @@ memory on a GPU (torch.cuda.mem_get_info), else MemAvailable of /proc/meminfo sh
 machine (LOCAL_WORLD_SIZE: every rank runs its check at once).
 
 A failed check_stages places the bug by replaying each stage in float64 beside its slice
-(labkit.worker.boundaries): `replay_too_large` says before a replay starts when it cannot fit, and the
+(labkit.check.boundaries): `replay_too_large` says before a replay starts when it cannot fit, and the
 verdict then stands without the module named, never an out-of-memory kill.
 
 May import: torch."""
@@ -55,12 +55,12 @@ def too_large(full: torch.nn.Module, device) -> str:
     held = sum(p.numel() * p.element_size() for p in full.parameters())
     return (f"check_step needs at least {gib(need)} on each rank for this model (whose parameters hold {gib(held)}: "
             f"a copy, a float64 copy and three references' gradients, before their activations) and a rank has "
-            f"{gib(free)} {where}: check this step with labkit.worker.check_stages, which holds only each rank's "
+            f"{gib(free)} {where}: check this step with labkit.check_stages, which holds only each rank's "
             f"slices of the model (notebook 09b), or check a smaller configuration of the same code.")
 
 
 def replay_need_bytes(modules: list, activation: torch.Tensor | None = None) -> int:
-    """What the float64 replay of one stage beside its slice holds (labkit.worker.boundaries): two float64
+    """What the float64 replay of one stage beside its slice holds (labkit.check.boundaries): two float64
     copies and their gradients, 32 bytes a floating parameter element, and every module's input and output
     recorded for both, taken as 4 tensors of the stage's input `activation` (float64) a module (a lower
     bound where a layer widens it: an MLP)."""

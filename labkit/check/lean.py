@@ -1,4 +1,4 @@
-"""The check's references in less memory (labkit.worker.stagewise): a module copied one tensor at a
+"""The check's references in less memory (labkit.check.stagewise): a module copied one tensor at a
 time where it goes (`copy_to`), every layer checkpointed while a whole-batch reference runs
 (`checkpointed`: each recomputed in the backward, the same numbers), a backward whose gradients are
 read the moment they are made, then freed (`read_as_made`), and what was freed handed back to the
@@ -6,7 +6,7 @@ system before each module runs and between references (`give_back`: freed tensor
 the process's heap, and its resident peak is what a rank must fit). Measured in bench/RESULTS.md
 ("the check's cost").
 
-May import: torch, labkit.worker (noise, pieces)."""
+May import: torch, labkit.check (noise, pieces)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def checkpointed(modules: dict, upcast: torch.dtype | None = None, seen: set | N
     dtype. Whatever happens inside, every module's own tensors are its own again on exit.
 
     `pieces` (with `upcast`): each innermost block's backward recomputes it a piece of the batch (along
-    `dim`) at a time where it treats samples apart and that lowers its peak (labkit.worker.pieces).
+    `dim`) at a time where it treats samples apart and that lowers its peak (labkit.check.pieces).
     `offload` (R on a GPU): each innermost block recomputed whole with its saved tensors on the host."""
     wrapped, handles, orig = [], [], {}
     for k, module in modules.items():
@@ -157,7 +157,7 @@ def _checkpoint(f, *a, **kw):
 
 
 def _pieced(block: nn.Module, orig: dict, upcast: torch.dtype | None, pieces: int, dim: int, offload: bool):
-    """`block`'s forward as labkit.worker.pieces runs it: its own tensors (from `orig`, the originals of
+    """`block`'s forward as labkit.check.pieces runs it: its own tensors (from `orig`, the originals of
     `checkpointed`, where it casts; else its modules' own) given stand-ins for a recomputation, in its
     casts' place and in its modules' slots."""
     base = {(id(m), w, n): orig.get((id(m), w, n)) or (m, getattr(m, w)[n]) for m in block.modules()
