@@ -322,3 +322,51 @@ _kept_step()
     again = pool.timeline().meta["compile"]
     assert compiled.ran_compiled(again) == {"0": {"0": True}, "1": {"1": True}}, again
     print(f"at the limit: {fell}\nthe next cell: {later}\ncompiled again: {again}")
+
+
+def test_a_recompile_the_kit_caused_is_said_as_the_kits():
+    """A guard on what the kit installed (its `_labkit...` state or a file of the kit: what the input
+    hooks once were) is counted apart and every note names the kit as the cause, never the user's code;
+    the counts travel as floats with it (issue 63)."""
+    before = state(total=1, ok=1, graphs=1, compiles={0: 1})
+    after = {**state(total=10, ok=9, graphs=9, compiles={0: 9}, hits={"recompile_limit": 1},
+                     limits={"recompile_limit": 8}), "kit_guards": 8}
+    d = compiled.delta(before, after)
+    assert d["kit_recompiles"] == 8 and d["at_limit"] == 1
+    assert "not on your code (the kit's cause" in compiled.fell_back_reason(d)
+    notes = compile_notes({0: d})
+    assert any(n.startswith("rank 0: 8 recompiles came from a guard on what the kit installed") for n in notes)
+    assert compiled.from_floats(compiled.as_floats(d)) == d
+    user = compiled.delta(before, {**after, "kit_guards": 0})  # the same counts from the user's own guards
+    assert "kit_recompiles" not in user and "kit" not in compiled.fell_back_reason(user)
+
+
+def test_the_kits_guard_pattern_names_only_the_kit():
+    from labkit.versions import KIT_GUARD
+
+    assert KIT_GUARD.search("len(G['stage']._labkit_received) == 7  # got = ... # labkit/spans/received.py:62 in hook")
+    assert KIT_GUARD.search("x  # /site-packages/labkit/spans/record.py:40 in wrapper")
+    assert not KIT_GUARD.search("len(G['__import___main__'].d) == 1  # def hook(mod, args): ... # mp/lim.py:4 in hook")
+
+
+def test_dynamos_own_guards_on_the_kits_state_are_counted_as_the_kits():
+    """Real dynamo (the eager backend, one process): a pre-hook that grows a `_labkit...` record inside the
+    compiled region recompiles once per call, and those guards are counted as the kit's."""
+    import torch
+
+    from labkit.versions import dynamo_counters
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder._labkit_seen = {}
+    m = torch.nn.Linear(4, 4)
+    m.register_forward_pre_hook(lambda mod, args: holder._labkit_seen.__setitem__(len(holder._labkit_seen), 1))
+    m.compile(backend="eager")
+    before = compiled.snapshot()
+    for _ in range(4):
+        m(torch.randn(2, 4))
+    d = compiled.delta(before, dynamo_counters())
+    assert d["recompiles"] >= 3 and d.get("kit_recompiles", 0) >= 3
+    torch._dynamo.reset()

@@ -12,6 +12,7 @@ paused: `labkit.core.startup`). Taught in notebook 00.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -50,12 +51,16 @@ def torchrun_command(entry: str | os.PathLike, script_args: list[str], nproc: in
 
 
 def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, single_node: bool = True) -> dict:
-    """The ranks' environment: loopback gloo, unbuffered output, stack dumps, the kit's markers, PP logs."""
+    """The ranks' environment: the launching process's, kept (a user's own variables are never replaced),
+    with what the kit needs added: loopback gloo, unbuffered output and stack dumps (each only where the
+    user set no value of their own), the kit's markers, the spans' boot folder first on PYTHONPATH, and
+    the PP logs merged into the user's own TORCH_LOGS (`merge_torch_logs`). `kit_changes` says, variable
+    by variable, what differs from the launching process (command.txt carries it)."""
     env = dict(os.environ)
     if single_node and sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listeners on loopback only
-    env["PYTHONUNBUFFERED"] = "1"  # rank output reaches the files (and the cell) line by line
-    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stack into the rank's stderr.log
+    env.setdefault("PYTHONUNBUFFERED", "1")  # rank output reaches the files (and the cell) line by line
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT dumps every thread's stack into the rank's stderr.log
     env[RUN_DIR_VAR] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells jobs where to write
     env[OWNER_VAR] = owner_token()  # who launched it: when that process dies, its ranks are orphans
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick anyway, without its warning
@@ -64,10 +69,53 @@ def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, sing
     env[SPANS_DIR_VAR] = str((run_dir / "spans").resolve())
     env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIR), *filter(None, [env.get("PYTHONPATH")])])
     if pp_logs:
-        env["TORCH_LOGS"] = "+pp"
-        env["TORCH_LOGS_FORMAT"] = PP_LOG_FORMAT
+        env["TORCH_LOGS"] = merge_torch_logs(env.get("TORCH_LOGS"))
+        env.setdefault("TORCH_LOGS_FORMAT", PP_LOG_FORMAT)  # a user's own format is kept (see kit_changes)
     env.update(extra or {})
     return env
+
+
+def merge_torch_logs(user: str | None) -> str:
+    """The user's TORCH_LOGS with the pipelining logs at DEBUG added (`+pp`), theirs kept as they wrote
+    them: "recompiles" -> "recompiles,+pp"; a setting of their own for pp ("+pp", "pp", "-pp") is left
+    as it is (then the logs hold what they asked for)."""
+    parts = [p.strip() for p in (user or "").split(",") if p.strip()]
+    if any(p.lstrip("+-") == "pp" for p in parts):
+        return ",".join(parts)
+    return ",".join([*parts, "+pp"])
+
+
+SECRET_VARS = ("LABKIT_RANKS_SECRET",)
+"""Variables whose values command.txt never shows (the live ranks' channel secret)."""
+
+
+def kit_changes(env: dict, base: dict | None = None) -> list[str]:
+    """What the ranks' environment `env` adds to or changes from `base` (the launching process's), one
+    line a variable: `NAME=value` (added) or `NAME=value (was: theirs)`; secrets shown as <secret>."""
+    base = dict(os.environ) if base is None else base
+    out = []
+    for name in sorted(env):
+        if base.get(name) == env[name]:
+            continue
+        value = "<secret>" if name in SECRET_VARS else env[name]
+        was = f" (was: {base[name]})" if name in base else ""
+        out.append(f"{name}={value}{was}")
+    return out
+
+
+def command_text(cmd: list[str], env: dict, warm: bool = True, base: dict | None = None) -> str:
+    """command.txt: the plain torchrun command (one line, to copy), after comment lines that say exactly
+    how the kit's processes differ from what that command alone would start: the environment added or
+    changed, variable by variable, and, when `warm`, that the launcher ran as `labkit.launching.warm`
+    (torchrun's own agent, its ranks forks of a process that had imported torch)."""
+    lines = ["# The plain torchrun command below runs the same script with the same arguments. The kit's ranks",
+             "# differed from what it alone starts in these ways, and no other:"]
+    if warm:
+        lines.append("#   launcher: python -m labkit.launching.warm (torchrun's own agent and arguments; each rank a "
+                     "fork of a process that had imported torch; LABKIT_START_METHOD=spawn starts them fresh)")
+    changes = kit_changes(env, base)
+    lines += [f"#   env: {c}" for c in changes] or ["#   env: nothing added or changed"]
+    return "\n".join(lines) + "\n" + shlex.join(cmd) + "\n"
 
 
 def validate_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:

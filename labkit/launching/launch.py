@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import select
-import shlex
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from ..config.run import RunConfig
 from .command import (
     DEFAULT_TIMEOUT_S,
     PP_LOG_FORMAT,
+    command_text,
     job_env,
     preflight_device,
     preflight_torch,
@@ -182,7 +182,7 @@ def _prepare(spec: LaunchSpec) -> Run:
     cmd = torchrun_command(spec.entry, spec.args, spec.nproc, run_dir, spec.nnodes, spec.node_rank,
                            spec.rdzv_endpoint, spec.rdzv_id, module=spec.module)
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
-    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    (run_dir / "command.txt").write_text(command_text(cmd, job_env(run_dir, spec.env, spec.pp_logs, spec.single_node)))
     (run_dir / "config.json").write_text(json.dumps(spec.config or {"script": spec.entry, "args": spec.args,
                                                                     "nproc": spec.nproc}, indent=2))
     return Run(run_dir=run_dir, command=cmd, nproc=spec.nproc)

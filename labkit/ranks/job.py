@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..launching.clean import kill_all
-from ..launching.command import job_env, torchrun_command
+from ..launching.command import command_text, job_env, torchrun_command
 from ..launching.warm import warm_command
 from ..launching.diagnose import _root_cause_from_launcher, launcher_text
 from ..launching.stop import descendants, die_with_parent, stop_job
@@ -59,7 +58,7 @@ class Job:
         env = job_env(self.run_dir, {**self.listener.env(), channel.DEVICE_VAR: self.device,
                                      channel.PG_TIMEOUT_VAR: str(self.pg_timeout_s)}, pp_logs=True)
         self.command = cmd
-        (self.run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")  # the secret is in env, never here
+        (self.run_dir / "command.txt").write_text(command_text(cmd, env))  # the secret is never shown
         (self.run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
         self._before = set((self.run_dir / "logs").glob("*"))
         with open(self.run_dir / "launcher.log", "ab") as log:

@@ -11,7 +11,11 @@ difference of dynamo's own counters (`labkit.versions.dynamo_counters`) over a w
 - `recompiles`: compiles of a frame it had compiled before (a guard failed: a shape or a Python
   value changed);
 - `fell_back`: frames dynamo gave up on, which ran eagerly; `at_limit` of them at a recompile limit
-  (then `limit_name` and `limit` say which limit and its value).
+  (then `limit_name` and `limit` say which limit and its value);
+- `kit_recompiles` (only where not 0): recompiles whose failed guard was on the kit's own state or code
+  (`labkit.versions.KIT_GUARD`): the kit, not the user's program, changed what dynamo compiled. The kit
+  records from outside the user's modules (labkit.spans.received), so this stays 0; where it is not,
+  every note says the kit is the cause.
 
 The spans recorder (`labkit.spans.recorder`) takes them over each step, in every rank it records
 (a live-ranks cell's steps and a job's); `labkit.spans.read` sums them per rank into a timeline's
@@ -89,6 +93,8 @@ def delta(before: dict | None, after: dict | None) -> dict:
         if new > 0:
             again += new - (was.get(frame, 0) == 0)
     out["recompiles"] = max(0, again - out["at_limit"])
+    if kit := _grew(int(b.get("kit_guards", 0)), int(after.get("kit_guards", 0))):
+        out["kit_recompiles"] = kit
     if hits:
         name = max(hits, key=hits.get)
         out["limit_name"], out["limit"] = name, after["limits"].get(name)
@@ -106,6 +112,8 @@ def add(a: dict | None, b: dict | None) -> dict:
     for counts in (a, b):
         for k in COUNTS:
             out[k] += int((counts or {}).get(k, 0))
+        if (counts or {}).get("kit_recompiles"):
+            out["kit_recompiles"] = out.get("kit_recompiles", 0) + int(counts["kit_recompiles"])
         if (counts or {}).get("limit_name"):
             out["limit_name"], out["limit"] = counts["limit_name"], counts.get("limit")
         if (counts or {}).get("stages"):
@@ -136,7 +144,13 @@ def fell_back_reason(counts: dict) -> str:
         parts.append(f"{_n(at_limit, 'frame')} recompiled until dynamo's limit (torch._dynamo.config.{name}{value})")
     if fell > at_limit:
         parts.append(f"dynamo could not compile {_n(fell - at_limit, 'frame')}")
+    if parts and counts.get("kit_recompiles"):
+        parts.append(KIT_CAUSE.format(n=_n(int(counts["kit_recompiles"]), "recompile")))
     return " and ".join(parts)
+
+
+KIT_CAUSE = ("{n} came from a guard on what the kit installed in this rank, not on your code (the kit's "
+             "cause: please report it)")
 
 
 STATE_ATTR = "_labkit_compile_state"
@@ -175,12 +189,15 @@ def as_floats(counts: dict) -> list[float]:
     name = counts.get("limit_name")
     return [float(counts.get(k, 0)) for k in COUNTS] + [
         float(LIMIT_NAMES.index(name)) if name in LIMIT_NAMES else -1.0,
-        float(counts["limit"]) if counts.get("limit") is not None else -1.0]
+        float(counts["limit"]) if counts.get("limit") is not None else -1.0,
+        float(counts.get("kit_recompiles", 0))]
 
 
 def from_floats(values: list[float]) -> dict:
     out = {k: int(round(v)) for k, v in zip(COUNTS, values)}
     name, limit = (int(round(v)) for v in values[len(COUNTS):len(COUNTS) + 2])
+    if len(values) > len(COUNTS) + 2 and int(round(values[len(COUNTS) + 2])):
+        out["kit_recompiles"] = int(round(values[len(COUNTS) + 2]))
     if 0 <= name < len(LIMIT_NAMES):
         out["limit_name"], out["limit"] = LIMIT_NAMES[name], limit if limit >= 0 else None
     return out
@@ -213,6 +230,8 @@ def compile_notes(per_rank: dict | None, fell_back_only: bool = False) -> list[s
             notes += [n for n in stage_notes({rank: c}) if " runs eagerly since " in n]
         if fell_back_only:
             continue
+        if c.get("kit_recompiles"):
+            notes.append(f"rank {rank}: " + KIT_CAUSE.format(n=_n(int(c["kit_recompiles"]), "recompile")))
         if c.get("recompiles"):
             notes.append(f"rank {rank}: {_n(int(c['recompiles']), 'recompile')} (a guard failed: a shape or a "
                          f"Python value changed); each one's compile time is inside the action that ran it")

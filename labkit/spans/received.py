@@ -7,7 +7,9 @@ guessed from the losses.
 A fingerprint costs three reductions over each input and the output of a forward (no copy kept, no
 host sync: the sums stay on the tensor's device until the check reads them). `labkit.spans.record`
 calls `begin` from its wrapper of `forward_one_chunk`, in every process the kit starts (jobs, live
-ranks): a plain process without the kit records nothing, and the check then says so.
+ranks), and `before` / `after` from its wrapper of the stage's call of its module
+(`labkit.versions.stage_module_call`): no hook is put on the user's module, so none is traced into a
+compiled region. A plain process without the kit records nothing, and the check then says so.
 
 May import: torch (imported where a fingerprint is taken: the spans recorder loads this module first)."""
 
@@ -40,35 +42,34 @@ def on_host(fp):
 
 
 def begin(stage, chunk_id) -> None:
-    """Called before `stage.forward_one_chunk(chunk_id, ...)`: hooks its module once, notes the microbatch."""
+    """Called before `stage.forward_one_chunk(chunk_id, ...)`: notes the microbatch its forward runs."""
     setattr(stage, _CHUNK, int(chunk_id) if isinstance(chunk_id, int) else chunk_id)
     if getattr(stage, ATTR, None) is None:
         setattr(stage, ATTR, {})
-        mod = stage.submod
-        mod.register_forward_pre_hook(_pre(stage), with_kwargs=True)
-        mod.register_forward_hook(_post(stage))
 
 
-def _pre(stage):
-    def hook(module, args, kwargs):
-        mb = getattr(stage, _CHUNK, None)
-        if mb is not None:
-            getattr(stage, ATTR)[mb] = {"args": [fingerprint(a) for a in args],
-                                        "kwargs": {k: fingerprint(v) for k, v in kwargs.items()}, "out": None}
-    return hook
+def before(stage, args, kwargs) -> None:
+    """Called with what the stage hands its module (`stage.submod(*args, **kwargs)`), right before that
+    call: fingerprints the inputs of the microbatch `begin` noted. It runs in torch's stage code, outside
+    the module: nothing of the kit is in the module's forward, so a compiled module (`module.compile()`,
+    `torch.compile(module)`, blocks compiled inside it) traces, guards and recompiles as it does without
+    the kit (tests/test_observer.py holds dynamo's counts against plain torchrun's)."""
+    mb = getattr(stage, _CHUNK, None)
+    if mb is not None and getattr(stage, ATTR, None) is not None:
+        getattr(stage, ATTR)[mb] = {"args": [fingerprint(a) for a in args],
+                                    "kwargs": {k: fingerprint(v) for k, v in kwargs.items()}, "out": None}
 
 
-def _post(stage):
+def after(stage, out) -> None:
+    """Called with what the stage's module returned: fingerprints its (first) output, once per forward."""
     import torch
 
-    def hook(module, args, out):
-        mb = getattr(stage, _CHUNK, None)
-        got = getattr(stage, ATTR).get(mb)
-        if got is not None and got["out"] is None:
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            got["out"] = fingerprint(first) if torch.is_tensor(first) else None
-            setattr(stage, _CHUNK, None)  # a recompute (activation checkpointing) records nothing more
-    return hook
+    mb = getattr(stage, _CHUNK, None)
+    got = (getattr(stage, ATTR, None) or {}).get(mb)
+    if got is not None and got["out"] is None:
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        got["out"] = fingerprint(first) if torch.is_tensor(first) else None
+    setattr(stage, _CHUNK, None)
 
 
 def of_stages(stages) -> dict:

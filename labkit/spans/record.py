@@ -84,7 +84,8 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
 
 def _patch() -> None:
     # torch's private classes and functions come from labkit.versions (the releases each covers)
-    from ..versions import schedule_classes, stage_base_class, stage_reduce_grad_methods, wrap_p2p
+    from ..versions import (schedule_classes, stage_base_class, stage_module_call, stage_reduce_grad_methods,
+                            wrap_p2p)
 
     base = stage_base_class()
     for name, kind_of in (("forward_one_chunk", lambda a, k: "F"),
@@ -93,6 +94,10 @@ def _patch() -> None:
         if name in vars(base) and name not in _PATCHED:
             setattr(base, name, _compute_wrapper(getattr(base, name), kind_of))
             _PATCHED.add(name)
+    call = stage_module_call()  # what the stage hands its module, fingerprinted outside the module
+    if call is not None and call not in _PATCHED:
+        setattr(base, call, _module_call_wrapper(getattr(base, call)))
+        _PATCHED.add(call)
     for which, make_wrapper in (("post", _post_wrapper), ("wait", _wait_wrapper)):
         if (name := wrap_p2p(which, make_wrapper, skip=_PATCHED)) is not None:
             _PATCHED.add(name)
@@ -167,14 +172,39 @@ def _compute_wrapper(inner, kind_of):
 
 
 def _received(stage, chunk_id) -> None:
-    """What the stage's forward receives, fingerprinted for the step check (labkit.spans.received)."""
+    """Notes the microbatch whose inputs the stage's module call will fingerprint (labkit.spans.received)."""
     try:
         received.begin(stage, chunk_id)
     except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
-        if not getattr(stage, "_labkit_received_said", False):
-            stage._labkit_received_said = True
-            print(f"[labkit] stage {getattr(stage, 'stage_index', '?')}: inputs not recorded for the step check: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr)
+        _not_recorded(stage, e)
+
+
+def _module_call_wrapper(inner):
+    """The stage's call of its module on one microbatch: its inputs and output fingerprinted around it
+    (labkit.spans.received), in torch's stage code, never inside the module (a compiled module's graphs,
+    guards and recompiles are the user's alone). Inside a forward's span: its cost is the forward's."""
+    def wrapper(self, *args, **kwargs):
+        if getattr(self, received._CHUNK, None) is None:  # not a forward the kit noted: left alone
+            return inner(self, *args, **kwargs)
+        try:
+            received.before(self, args, kwargs)
+        except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
+            _not_recorded(self, e)
+        out = inner(self, *args, **kwargs)
+        try:
+            received.after(self, out)
+        except Exception as e:  # noqa: BLE001
+            _not_recorded(self, e)
+        return out
+
+    return _as(inner, wrapper)
+
+
+def _not_recorded(stage, e: Exception) -> None:
+    if not getattr(stage, "_labkit_received_said", False):
+        stage._labkit_received_said = True
+        print(f"[labkit] stage {getattr(stage, 'stage_index', '?')}: inputs not recorded for the step check: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _pipeline_of(stage) -> list[int]:

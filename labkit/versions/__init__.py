@@ -40,45 +40,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
-
 from .facts import RELEASE_FACTS, Fact  # noqa: F401  (the table of what each release does: versions/facts.py)
+from .ranges import RANGES, Range  # noqa: F401  (every dependency's supported range: versions/ranges.py)
 
-
-@dataclass(frozen=True)
-class Range:
-    """The supported releases of one dependency. Versions are compared at the precision written:
-    "2.15" admits every 2.15.x (a patch release of a tested minor counts as tested)."""
-
-    name: str
-    """The distribution's name, as pip knows it."""
-    floor: str | None
-    """The oldest supported release: pyproject.toml's `>=` (the floors lock pins it, and dev.py test's
-    second leg runs on it); None where pyproject.toml gives no floor (no lower end is tested)."""
-    newest: str
-    """The newest release tested: (major.minor of) the main lock's pin, the first leg of dev.py test."""
-    needed_by: str
-    """What in the lab needs it (said when it is missing or out of range)."""
-
-
-RANGES = {r.name: r for r in (
-    Range("torch", "2.11", "2.15", "everything"),
-    Range("transformers", "5.23", "5.24", "notebook 11 and `labkit run --model` (the models extra)"),
-    Range("ortools", "9.15.6755", "9.15", "the exact schedule search (`labkit search --time-limit`; the search extra)"),
-    Range("numpy", None, "2.5", "the kit"),
-    Range("matplotlib", None, "3.11", "every plot"),
-    Range("psutil", None, "7.2", "the launcher"),
-    Range("tqdm", None, "4.70", "the progress bars"),
-    Range("jupyterlab", None, "4.6", "the lab"),
-    Range("ipywidgets", None, "8.1", "the explorers"),
-    Range("ipykernel", None, "7.4", "the lab"),
-    Range("latex2mathml", None, "3.81", "the handouts"),
-    Range("pytest", None, "9.2", "the tests"),
-    Range("pytest-xdist", None, "3.8", "the tests' parallel workers (dev.py test)"),
-    Range("nbval", None, "0.11", "the notebooks' tests"),
-    Range("playwright", None, "1.65", "the browser tests"),
-)}
-"""Every dependency in pyproject.toml (extras included), with its supported range."""
 
 SUPPORTED = tuple(tuple(int(x) for x in v.split(".")) for v in (RANGES["torch"].floor, RANGES["torch"].newest))
 """The oldest and newest (major, minor) torch the kit is tested on (RANGES["torch"])."""
@@ -199,6 +163,19 @@ def stage_base_class() -> type:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     return _PipelineStageBase
+
+
+STAGE_MODULE_CALL = "forward_maybe_with_nosync"
+"""The method of `stage_base_class()` through which a stage calls its module on a microbatch
+(`self.submod(*args, **kwargs)`, in `forward_one_chunk`; private, torch 2.11 to 2.15): the spans
+recorder wraps it to fingerprint what the module received and returned (labkit.spans.received) from
+outside the module, where no compiled region reaches."""
+
+
+def stage_module_call() -> str | None:
+    """`STAGE_MODULE_CALL` where this torch's stages have it (torch 2.11 to 2.15), else None (the inputs
+    are then not recorded)."""
+    return STAGE_MODULE_CALL if STAGE_MODULE_CALL in vars(stage_base_class()) else None
 
 
 def stage_reduce_grad_methods() -> tuple[str, ...]:
@@ -345,6 +322,11 @@ DYNAMO_LIMIT_HIT = re.compile(r"^(Dynamo recompile limit exceeded|(accumulated_)
 "<limit> reached". Read by `dynamo_counters`."""
 
 
+KIT_GUARD = re.compile(r"_labkit|[/\\]labkit[/\\]")
+"""A dynamo guard whose reason names the kit's state (`_labkit...` attributes) or a file of the kit: the
+kit, not the user's code, made a frame recompile (none does since the kit records from outside modules)."""
+
+
 def dynamo_counters() -> dict:
     """dynamo's cumulative counts in this process, for `labkit.spans.compiled` to take deltas of (call
     it only once torch._dynamo is imported). Private, all of it: torch._dynamo.utils.counters
@@ -380,11 +362,15 @@ def dynamo_counters() -> dict:
             if limit is not None:
                 limits[name] = int(limit)
     per_frame = getattr(convert_frame, "FRAME_COMPILE_COUNTER", {})
+    # utils.guard_failures: {code: [why each cached version did not fit]}, each reason with the source line
+    # of the guard ("... # labkit/spans/received.py:62 in hook"): a guard on the kit's own code or state
+    kit = sum(1 for reasons in list(getattr(utils, "guard_failures", {}).values()) for r in list(reasons)
+              if KIT_GUARD.search(str(r).split("User stack trace:")[0]))
     return {"frames_total": int(frames.get("total", 0)), "frames_ok": int(frames.get("ok", 0)),
             "graphs": int(stats.get("unique_graphs", 0)),
             "graph_breaks": len(reasons) if reasons is not None else int(sum(counters.get("graph_break", {}).values())),
             "compiles": {k: int(v) for k, v in list(per_frame.items()) if isinstance(k, int)},
-            "limit_hits": hits, "limits": limits}
+            "limit_hits": hits, "limits": limits, "kit_guards": kit}
 
 
 def compiled_module(module) -> bool:
