@@ -105,8 +105,11 @@ def test_a_busy_machine_is_the_machine_not_the_code(tmp_path):
     assert s.delta["compute"] == pytest.approx(0.0, abs=1e-12)
     assert s.per_action[(0, "B")] == pytest.approx((2 * MS, 2 * MS))
     assert "for a CPU: the machine, not your code" in s.text()
-    # the same spans read as timelines keep each action's descheduled time: the same verdict, and a note
-    t = explain_slowdown(timeline_from_spans(before), timeline_from_spans(after))
+    # the same spans read as timelines carry every clock: the same text (issue 63); made anew from their
+    # actions they keep each action's descheduled time: the same verdict, and a note
+    read = [timeline_from_spans(before), timeline_from_spans(after)]
+    assert explain_slowdown(*read).text() == s.text()
+    t = explain_slowdown(*[Timeline(tl.actions, tl.source, tl.meta) for tl in read])
     adds_up(t)
     assert t.main == "machine" and t.delta["machine"] == pytest.approx(s.delta["machine"])
     assert any("pass its run directory" in n for n in t.notes)
@@ -487,3 +490,112 @@ def test_a_small_settled_cause_is_not_headlined_over_a_large_unsettled_one():
     assert s.machine_excess > 1 * ms and s.noise("machine") > s.machine_excess  # the largest, and unsettled
     assert s.main == "machine" and s.named == [], (s.named, s.main)
     assert "1.77x): no cause changed beyond its noise (the most: the machine, " in s.text(), s.text()
+
+
+# ---- issue 63 item 6: one rule, really; the steps that compiled apart --------------------------------------
+
+def write_clocked(folder, factors, between: float = 0.0, kit: float = 0.0, load=QUIET, compiled=None):
+    """A cell's (or run's) spans with every clock the ranks record: one 1F1B step per (slow, scale, share) of
+    `factors` (`varied`'s, each action's `share` without a CPU), a wait for a receive before each action but
+    the step's first (`between` of it without a CPU), the kit's own `kit` seconds before and after each
+    action, the load at each step's end, and dynamo's counts on the `begin_step` line of the steps in
+    `compiled` ({step: counts}: torch.compile compiled in that step)."""
+    acts = varied([(slow, scale) for slow, scale, _ in factors])
+    (folder / "spans").mkdir(parents=True)
+    for rank in sorted({a.rank for _, a in acts}):
+        level, lines = 0.0, [{"meta": {"rank": rank, "clock": "host (time.time)"}}]
+        for k, (_, _, share) in enumerate(factors):
+            mine = sorted((a for kk, a in acts if a.rank == rank and kk == k), key=lambda a: a.start)
+            lines.append({"begin_step": k, "schedule": "Schedule1F1B",
+                          **({"compile": compiled[k]} if compiled and k in compiled else {})})
+            free, queued = mine[0].start, 0.0
+            for a in mine:
+                if a.start > free:
+                    q = between * (a.start - free)
+                    lines.append({"rank": rank, "step": k, "kind": "WAIT", "stage": -1, "mb": -1, "what": "recv",
+                                  "start": free, "end": a.start, "rq": [level, level + q]})
+                    level, queued = level + q, queued + q
+                q = share * a.duration
+                lines.append({"rank": rank, "step": k, "kind": a.kind, "stage": a.stage, "mb": a.microbatch,
+                              "start": a.start, "end": a.end, "pre": kit, "post": kit, "rq": [level, level + q]})
+                level, queued, free = level + q, queued + q, a.end
+            wall = mine[-1].end - mine[0].start
+            lines.append({"end_step": k, "wall": wall, "kit": 2 * kit * len(mine), "wrappers": 2 * kit * len(mine),
+                          "bookkeeping": 0.0, "calls": len(mine), "cpu": wall - queued, "queued": queued,
+                          "cores": 2, "runnable": load[0], "load1": load[1]})
+        (folder / "spans" / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder
+
+
+def test_cells_timelines_run_directories_and_the_cli_give_one_text(tmp_path, capsys):
+    """As a user read it beside busy loops: pool.compare(a, b) named the machine alone (+54 ms), while
+    explain_slowdown on pool.timeline(a) and pool.timeline(b) read a smaller machine (+29 ms) and the transfers
+    between ranks: the Timeline had dropped the run-queue time between actions and the kit's own time. A
+    Timeline now carries every clock its cell had: the same steps give the same text, word for word, whether
+    given as cells, cell or run directories, Timelines (one step of one, a pipeline of one) or on the command
+    line, two measurements or rounds of them."""
+    cells = tmp_path / "ranks" / "cells"
+    quiet = [(1.0, 1.0, 0.05), (1.0, 1.02, 0.06), (1.0, 0.98, 0.05), (1.0, 1.0, 0.04)]
+    busy = [(1.0, scale, 1 - 1 / scale) for scale in (1.6, 1.7, 1.55, 1.65)]  # the extra all without a CPU
+    for n, (factors, between, load) in enumerate([(quiet, 0.05, QUIET), (busy, 0.6, BUSY)] * 2, start=1):
+        write_clocked(cells / f"{n:03d}", factors, between=between, kit=0.02 * MS, load=load)
+    pool = _Cells(tmp_path / "ranks")
+    for before, after in ((1, 2), ([1, 3], [2, 4])):
+        by_cells = pool.compare(before, after)
+        dirs = [[cells / f"{c:03d}" for c in x] if isinstance(x, list) else cells / f"{x:03d}" for x in (before, after)]
+        timelines = [[pool.timeline(c) for c in x] if isinstance(x, list) else pool.timeline(x)
+                     for x in (before, after)]
+        by_timelines = explain_slowdown(*timelines)
+        assert by_timelines.text() == by_cells.text() == explain_slowdown(*dirs).text()
+        assert by_timelines.report() == by_cells.report()
+        assert "machine" in by_cells.named and not any("pass its run directory" in n for n in by_timelines.notes)
+        assert by_timelines.causes["kit"] == by_cells.causes["kit"] and by_cells.causes["kit"][0] > 0
+    assert main(["timeline", "--compare", str(cells / "001"), str(cells / "002")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == pool.compare(1, 2).text()
+    # one step of a Timeline, and one pipeline of it, are read from that step's and those ranks' clocks
+    from labkit.timeline.compare import one_step
+
+    last = [one_step(pool.timeline(c)) for c in (1, 2)]
+    alone = [write_clocked(tmp_path / f"last{c}", [f[-1]], between=b, kit=0.02 * MS, load=load)
+             for c, f, b, load in ((1, quiet, 0.05, QUIET), (2, busy, 0.6, BUSY))]
+    assert explain_slowdown(*last).text() == explain_slowdown(*alone).text()
+    split = [pool.timeline(c).split_pipelines()[0] for c in (1, 2)]
+    assert explain_slowdown(*split).text() == pool.compare(1, 2).text()
+    # a Timeline that lost its recording (made anew from its actions) is read from its actions, and says so
+    bare = [Timeline(tl.actions, tl.source, tl.meta) for tl in timelines[0]]
+    assert any("pass its run directory" in n for n in explain_slowdown(*bare).notes)
+
+
+COMPILED = {"frames": 1, "graphs": 1, "graph_breaks": 0, "recompiles": 0, "fell_back": 0, "at_limit": 0}
+
+
+def test_steps_that_compiled_are_left_out_and_named_apart(tmp_path, capsys):
+    """As a user compared an eager run and a compiled one: the compiled run's first step compiled (12x as
+    long, stage 1's backwards longest), its warm steps as fast as the eager ones. The comparison leaves the
+    step that compiled out, says so ("after's step 1 compiled for ..."), and compares the warm steps: no
+    stage took longer. The same text from the run directories, their Timelines and the command line."""
+    eager = write_clocked(tmp_path / "eager", [(1.0, 1.0, 0.0), (1.0, 1.01, 0.0), (1.0, 0.99, 0.0), (1.0, 1.0, 0.0)])
+    comp = write_clocked(tmp_path / "compiled", [(1.0, 12.0, 0.0), (1.0, 1.0, 0.0), (1.0, 0.99, 0.0), (1.0, 1.01, 0.0)],
+                         compiled={0: COMPILED})
+    s = explain_slowdown(eager, comp)
+    adds_up(s)
+    assert [(x.side, x.step) for x in s.left_out] == [("after", 1)]
+    assert s.left_out[0].seconds == pytest.approx(12 * s.before, rel=0.05)
+    assert s.units == 3 and s.after == pytest.approx(s.before, rel=0.02) and s.stages == []
+    text = s.text()
+    assert " after's step 1 compiled for " in text and "the warm steps are compared" in text
+    assert "take" not in text.split(":")[1]  # no stage named for what the compile took
+    assert explain_slowdown(timeline_from_spans(eager), timeline_from_spans(comp)).text() == text
+    assert main(["timeline", "--compare", str(eager), str(comp)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == text
+    # both sides' first steps compiled: both named, in order; a step of rounds names its round
+    both = explain_slowdown(write_clocked(tmp_path / "c2", [(1.0, 9.0, 0.0)] + [(1.0, 1.0, 0.0)] * 3,
+                                          compiled={0: COMPILED}), comp)
+    assert [(x.side, x.step) for x in both.left_out] == [("before", 1), ("after", 1)]
+    assert "before's step 1 compiled for " in both.text() and "after's step 1 compiled for " in both.text()
+    rounds = explain_slowdown([eager, eager], [comp, eager])
+    assert [(x.side, x.round, x.step) for x in rounds.left_out] == [("after", 1, 1)]
+    assert "after's round 1, step 1 compiled for " in rounds.text()
+    # a measurement whose every step compiled has no warm step: compared as it is, and said
+    once = explain_slowdown(eager, write_clocked(tmp_path / "once", [(1.0, 12.0, 0.0)], compiled={0: COMPILED}))
+    assert once.left_out == [] and once.unwarm == ["after"] and "Every step of after compiled" in once.text()

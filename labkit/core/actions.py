@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND", "RECV")
@@ -43,6 +43,13 @@ class Timeline:
     actions: list[Action]
     source: str = "measured"  # spans | measured (pp logs) | profiler | theory
     meta: dict = field(default_factory=dict)
+    recorded: Any = field(default=None, repr=False, compare=False)
+    """Where read from spans: every clock the ranks recorded (`labkit.spans.read.Recorded`: each span with its
+    scheduler clocks and the kit's own time around it, each rank's per-step lines: wall and CPU time, load,
+    dynamo's counts). What the actions alone cannot say (the run queue between actions, which steps compiled)
+    is read from it (`labkit.timeline.explain_slowdown`); it travels with the timeline's steps and pipelines
+    (`one_step`, `compute_steps`, `split_pipelines`), which keep their own actions' share of it. None for
+    logs, profiler traces and theory."""
 
     def compute(self) -> list[Action]:
         return [a for a in self.actions if a.kind in COMPUTE_KINDS]
@@ -182,5 +189,6 @@ def split_timeline(timeline: Timeline, pipelines: list[list[int]]) -> list[Timel
         meta = {**timeline.meta, "pipelines": [list(ranks)], "pipeline": i}
         if isinstance(meta.get("steps_per_rank"), dict):
             meta["steps_per_rank"] = {k: v for k, v in meta["steps_per_rank"].items() if int(k) in keep}
-        parts.append(Timeline([a for a in timeline.actions if a.rank in keep], timeline.source, meta))
+        parts.append(Timeline([a for a in timeline.actions if a.rank in keep], timeline.source, meta,
+                              timeline.recorded))
     return parts

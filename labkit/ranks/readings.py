@@ -62,13 +62,15 @@ class CellReadings:
         """Why cell `after`'s steps take longer than cell `before`'s (or less), by cause, over all their
         steps (`labkit.timeline.explain_slowdown`: the machine, compute per stage and kind, waiting,
         communication, the kit's own share). Lists of cells: rounds, paired in order; two cells: their
-        steps, paired in order. Either way its `.text()` is the verdict `labkit timeline --compare` prints
-        for the same cells: every cause that changed beyond its noise, and how sure that is (the units'
-        spread and agreement, whether the before cells had a quiet baseline by `labkit.spans.quiet`'s
-        rule, what was not measured). Notebook 06b."""
+        steps, paired in order. Either way it reads each cell's `timeline(cell)` (which carries every clock
+        the cell's ranks recorded), so its `.text()` is, word for word, `explain_slowdown` on those Timelines
+        and what `labkit timeline --compare` prints for the cells' directories: every cause that changed
+        beyond its noise, and how sure that is (the units' spread and agreement, whether the before cells had
+        a quiet baseline by `labkit.spans.quiet`'s rule, what was not measured); steps in which torch.compile
+        compiled are left out and named apart. Notebook 06b."""
         from ..timeline.slowdown import explain_slowdown
 
-        cells = [[self.cell_dir(c) for c in (x if isinstance(x, (list, tuple)) else [x])] for x in (before, after)]
+        cells = [[self.timeline(c) for c in (x if isinstance(x, (list, tuple)) else [x])] for x in (before, after)]
         return explain_slowdown(*cells)
 
     def rounds(self, a: str, b: str, n: int = 3, timeout: float | None = None) -> tuple[list[int], list[int]]:

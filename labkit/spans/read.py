@@ -8,7 +8,8 @@ SEND); `labkit.spans.idle` reads the raw spans to say where idle time went. The 
 around each span (`pre`, `post`, `kit`) and each step's `end_step` line give `instrument_overhead`
 (`meta["instrument_overhead"]` of the timeline: what `labkit timeline --json` prints per rank).
 A step in which torch.compile did anything gives its counts per rank (`meta["compile"]`:
-`compile_counts`, `labkit.spans.compiled`).
+`compile_counts`, `labkit.spans.compiled`). The timeline carries the spans and per-step lines themselves
+too (`Timeline.recorded`, a `Recorded`): every clock the ranks recorded, for `explain_slowdown`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import NamedTuple
 from ..core.actions import COMPUTE_KINDS, Action, Timeline, union_length
 from .paths import span_files
 
-__all__ = ["Span", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind", "instrument_overhead",
-           "recorded_pipelines", "machine_load", "compile_counts", "without_descheduling", "makespan_without_load"]
+__all__ = ["Span", "Recorded", "KindTimes", "read_spans", "timeline_from_spans", "has_spans", "time_by_kind",
+           "instrument_overhead", "recorded_pipelines", "machine_load", "compile_counts", "without_descheduling",
+           "makespan_without_load"]
 
 
 class Span(NamedTuple):
@@ -57,6 +59,34 @@ class Span(NamedTuple):
         if self.post > 0:
             out.append((self.end, self.end + self.post))
         return out
+
+
+class Recorded(NamedTuple):
+    """Every clock a run's or cell's ranks recorded, as `read_spans` gives it: what a `Timeline` read from
+    spans carries (`Timeline.recorded`) beside its actions."""
+
+    spans: list[Span]
+    """Every span, each with its scheduler clocks (`cpu`, `rq`) and the kit's own time around it."""
+    meta: dict[int, dict]
+    """{rank: its file's meta line, with its per-step lines: `instrument` (wall, CPU and run-queue seconds,
+    the kit's own, the load at the step's end), `schedules`, `pipelines`, `compile` (dynamo's counts)}."""
+
+    def of(self, tl: Timeline) -> "Recorded | None":
+        """What `tl` (this recording's timeline, or one step or pipeline of it) was read from: every span of
+        each of its ranks' steps whose actions it holds (a step's transfers and waits with them); None when
+        one of its compute actions is not a recorded one (times shifted or shortened: made anew)."""
+        ranks = set(tl.ranks)
+        step_of = {(s.rank, s.stage, s.kind, s.mb, s.start, s.end): s.step for s in self.spans
+                   if s.kind in COMPUTE_KINDS and s.rank in ranks}
+        held = set()
+        for a in tl.compute():
+            step = step_of.get((a.rank, a.stage, a.kind, a.microbatch, a.start, a.end))
+            if step is None:
+                return None
+            held.add((a.rank, step))
+        computed = {(s.rank, s.step) for s in self.spans if s.kind in COMPUTE_KINDS}
+        return Recorded([s for s in self.spans if s.rank in ranks
+                         and ((s.rank, s.step) in held or (s.rank, s.step) not in computed)], self.meta)
 
 
 def has_spans(path) -> bool:
@@ -251,7 +281,8 @@ def timeline_from_spans(path, which: str | int = "all") -> Timeline:
         "steps_per_rank": steps_per_rank, "clock": clocks[0] if len(clocks) == 1 else clocks,
         "torch": next((m.get("torch") for m in meta.values()), None),
         "files": [str(f) for f in span_files(path).values()],
-        "starts": "measured: both ends of every action (labkit.spans)"})
+        "starts": "measured: both ends of every action (labkit.spans)"},
+        recorded=Recorded(spans, meta))  # every clock, for what the actions cannot say (explain_slowdown)
     own = instrument_overhead(spans, meta)
     if own:  # the kit's share of each rank's steps, measured in the rank
         tl.meta["instrument_overhead"] = own

@@ -177,7 +177,7 @@ def one_step(tl: Timeline, which: str = "last") -> Timeline:
             c0 <= a.start < c1 or (before <= a.start < c0 and a.kind in _OPENS) or
             (c1 <= a.start < after and a.kind not in _OPENS))]
     return Timeline(sorted(keep, key=lambda a: (a.start, a.rank)), tl.source,
-                    {**tl.meta, "steps": 1, "step": f"{which} of {steps}"})
+                    {**tl.meta, "steps": 1, "step": f"{which} of {steps}"}, tl.recorded)
 
 
 def compute_steps(tl: Timeline) -> list[Timeline]:
@@ -190,7 +190,7 @@ def compute_steps(tl: Timeline) -> list[Timeline]:
     for i in range(steps):
         acts = [a for mine in per_rank.values() for a in mine[i * (len(mine) // steps):(i + 1) * (len(mine) // steps)]]
         out.append(Timeline(sorted(acts, key=lambda a: (a.start, a.rank)), tl.source,
-                            {**tl.meta, "steps": 1, "step": f"{i + 1} of {steps}"}))
+                            {**tl.meta, "steps": 1, "step": f"{i + 1} of {steps}"}, tl.recorded))
     return out
 
 

@@ -1,9 +1,12 @@
 """One measurement's steps read along their critical paths, for `labkit.timeline.slowdown`: each step's
 time split into causes (`CAUSES`) that add up to it, one `_Reading` per step and their mean.
 
-A measurement is a `Timeline`, a run directory, a live-ranks cell directory or a spans file (`_load`):
-read from its spans where it has them (they hold the run queue between actions and the kit's own
-time, which a `Timeline` does not), else through `load_timeline`. Each step is followed from the action
+A measurement is a `Timeline`, a run directory, a live-ranks cell directory or a spans file (`_load`),
+read one way: as a `Timeline` (`timeline_from_spans` where it has spans, else `load_timeline`), then from
+every clock that Timeline carries (`Timeline.recorded`: the spans of its steps and ranks, with the run queue
+between actions, the kit's own time, the load and dynamo's counts per step), or from its actions alone where
+it carries none (logs, profiler traces, theory). Steps in which torch.compile compiled are left out where
+the measurement has warm ones (`_warm`): they time the compiler. Each step is followed from the action
 that ends it back through what each action waited for last (its rank's previous action, or the input it
 needed from another stage) down to the step's start; every piece of that path gets one cause
 (`_Tally`). How busy the machine was over the measurement's steps (`_Loaded.load`, the spans'
@@ -18,7 +21,8 @@ from statistics import mean
 from typing import NamedTuple
 
 from ..core.actions import COMPUTE_KINDS, Timeline
-from ..spans.read import Span, has_spans, machine_load, read_spans, recorded_pipelines, without_descheduling
+from ..spans.read import (Span, has_spans, machine_load, recorded_pipelines, timeline_from_spans,
+                         without_descheduling)
 from .rank_time import _merged, _minus, _Rank
 
 CAUSES = ("machine", "compute", "waiting", "communication", "kit")
@@ -33,18 +37,34 @@ class _Loaded(NamedTuple):
     kit: bool       # the kit's own time was measured
     notes: list[str]
     load: dict      # how busy the machine was over its steps, per rank (`labkit.spans.read.machine_load`; {}: not read)
+    compiled: list[tuple[int, float, dict]] = []
+    """The steps left out because torch.compile compiled in them: (step, 1 for the first, its time in seconds,
+    {rank: dynamo's counts in it})."""
+    every_step_compiled: bool = False  # ... and none was left: every step compiled (no warm step to compare)
 
 
 def _load(x, source: str, name: str) -> _Loaded:
+    """One measurement, however given, read the one way: as a `Timeline` (a run or cell directory, or a spans
+    file, through `timeline_from_spans` where it has spans, else `load_timeline`), then `_from_timeline`."""
     if isinstance(x, Timeline):
         return _from_timeline(x, name)
     if not isinstance(x, (str, os.PathLike)):
         raise TypeError(f"{name}: expected a Timeline, a run directory or a spans file, got {type(x).__name__}.")
-    if source not in ("auto", "spans") or not has_spans(x):
-        from .compare import load_timeline
+    if source in ("auto", "spans") and has_spans(x):
+        return _from_timeline(timeline_from_spans(x), name)
+    from .compare import load_timeline
 
-        return _from_timeline(load_timeline(x, source), name)
-    spans, meta = read_spans(x)
+    return _from_timeline(load_timeline(x, source), name)
+
+
+def _from_timeline(tl: Timeline, name: str) -> _Loaded:
+    """A timeline's steps: from every clock its ranks recorded where it carries them (`Timeline.recorded`:
+    the spans of the steps and ranks it holds), else from its actions alone (`_from_actions`)."""
+    recorded = tl.recorded.of(tl) if tl.recorded is not None else None
+    if recorded is None:
+        return _from_actions(tl, name)
+    spans, meta = recorded
+    spans, compiled, every = _warm(spans, meta)
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
     clocked = bool(comp) and all(s.rq for s in comp)
     notes = []
@@ -52,12 +72,54 @@ def _load(x, source: str, name: str) -> _Loaded:
         cuda = any(str(m.get("clock", "")).startswith("cuda") for m in meta.values())
         notes.append(f"{name}: no scheduler clocks in its spans (" + ("CUDA spans time the device, not the host's "
                      "run queue" if cuda else "recorded before the kit read the run queue, or not on Linux") + ").")
+    if every:
+        notes.append(f"{name}: torch.compile compiled in " + ("its only step" if len(every) == 1 else
+                     f"each of its {len(every)} steps") + ": no warm step to compare, so it is compared as it is "
+                     "(run more steps).")
     kit = any(s.own() for s in spans) or any("instrument" in m for m in meta.values())
     pipes = enumerate(recorded_pipelines(spans, meta) or [])
-    return _Loaded(spans, {r: i for i, p in pipes for r in p}, clocked, kit, notes, machine_load(spans, meta))
+    return _Loaded(spans, {r: i for i, p in pipes for r in p}, clocked, kit, notes, machine_load(spans, meta),
+                   compiled, bool(every))
 
 
-def _from_timeline(tl: Timeline, name: str) -> _Loaded:
+def _compiling(counts: dict | None) -> bool:
+    """Whether dynamo compiled (or tried to) in a step, by its counts (`labkit.spans.compiled`): frames or
+    graphs made, recompiles, or frames it could not compile (those met at a recompile limit are not tried)."""
+    c = counts or {}
+    return bool(c.get("frames") or c.get("graphs") or c.get("recompiles")
+                or c.get("fell_back", 0) > c.get("at_limit", 0))
+
+
+def _warm(spans: list[Span], meta: dict) -> tuple[list[Span], list[tuple[int, float, dict]], list[int]]:
+    """(the spans of the steps torch.compile did not compile in, [(step, its time, {rank: counts})] of those
+    it did, []), or, when it compiled in every step, (every span, [], every step): the ranks' k-th steps
+    together, a step left out when it compiled on any rank (dynamo's counts on its `begin_step` line)."""
+    numbers: dict[tuple[int, int], int] = {}
+    for r in sorted({s.rank for s in spans}):
+        ids = sorted({s.step for s in spans if s.rank == r and s.kind in COMPUTE_KINDS})
+        numbers.update({(r, step): k for k, step in enumerate(ids)})
+    counts: dict[int, dict] = {}
+    for (r, step), k in numbers.items():
+        c = meta.get(r, {}).get("compile", {}).get(step)
+        if _compiling(c):
+            counts.setdefault(k, {})[r] = c
+    if not counts:
+        return spans, [], []
+    if len(counts) == len(set(numbers.values())):
+        return spans, [], sorted(counts)
+    out, times = [], {}
+    for s in spans:
+        k = numbers.get((s.rank, s.step))
+        if k in counts:
+            if s.kind in COMPUTE_KINDS:
+                lo, hi = times.get(k, (s.start, s.end))
+                times[k] = (min(lo, s.start), max(hi, s.end))
+        else:
+            out.append(s)
+    return out, [(k + 1, times[k][1] - times[k][0], counts[k]) for k in sorted(counts)], []
+
+
+def _from_actions(tl: Timeline, name: str) -> _Loaded:
     """A timeline's actions as spans: each compute action with a run-queue clock made from its descheduled
     seconds (`without_descheduling`; none between actions), each receive as the wait for it (as
     `labkit.spans.read` draws one), cut into steps as `compute_steps` cuts them."""
@@ -86,8 +148,9 @@ def _from_timeline(tl: Timeline, name: str) -> _Loaded:
         origin = {"measured": "torch's PP logs", "profiler": "a profiler trace", "theory": "a simulation"}
         notes.append(f"{name}: a timeline from {origin.get(tl.source, tl.source)} has no scheduler clocks.")
     elif tl.source == "spans":
-        notes.append(f"{name}: a Timeline keeps each action's descheduled time, not the time between actions nor "
-                     f"the kit's; pass its run directory for both.")
+        notes.append(f"{name}: a Timeline made anew from its actions (or with its times moved) keeps each action's "
+                     f"descheduled time, not the time between actions nor the kit's; pass its run directory, or "
+                     f"the Timeline as it was read (it carries its clocks), for both.")
     return _Loaded(spans, tl.pipeline_of(), clocked, False, notes, dict(tl.meta.get("machine_load") or {}))
 
 

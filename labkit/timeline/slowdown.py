@@ -30,8 +30,10 @@ inside the other causes; so does the kit's where it was not measured.
 How sure: the verdict weighs each cause's change against its own noise over units of measurement
 (`Slowdown.unit`): rounds (lists of measurements, paired in order: `pool.rounds` interleaves them), or,
 for two single measurements (yesterday's run and today's, never interleaved), their steps, paired in
-order. A cause changed when its mean change exceeds `NOISE_Z` standard errors of its per-unit changes
-and `FLOOR` of the step. The headline names EVERY such cause, largest first (`Slowdown.named`), and
+order. A step in which torch.compile compiled times the compiler, not the code: it is left out where the
+measurement has warm steps, and named apart ("after's step 1 compiled for 2.9 s": `Slowdown.left_out`).
+A cause changed when its mean change exceeds `NOISE_Z` standard errors of its per-unit changes and
+`FLOOR` of the step. The headline names EVERY such cause, largest first (`Slowdown.named`), and
 always a stage whose compute (less descheduling) changed; when the units disagree on which cause
 changed most it says so and about how many units would settle it (`Slowdown.agreement`); and it says
 whether the before side was a quiet baseline (`labkit.spans.quiet`): on a busy one, that the verdict
@@ -50,7 +52,7 @@ from ..spans.quiet import Quiet, quiet_from_loads
 from .critical_path import CAUSES, _load, _reading, _Reading
 from .slowdown_text import SlowdownText, _ms
 
-__all__ = ["CAUSES", "Slowdown", "explain_slowdown"]
+__all__ = ["CAUSES", "LeftOut", "Slowdown", "explain_slowdown"]
 
 COLOURS = {"machine": "#CC79A7", "compute": "#0072B2", "waiting": "#56B4E9", "communication": "#999999",
            "kit": "#F0E442"}  # as `labkit.timeline.plot.CAUSE_COLOURS` draws the idle causes
@@ -66,6 +68,21 @@ ALIKE = 1.5
 MAX_UNITS = 1000
 """Beyond this many rounds (steps) to settle which cause changed most, the kit says they changed alike."""
 Pair = tuple  # (before, after)
+
+
+class LeftOut(NamedTuple):
+    """A step left out of the comparison because torch.compile compiled in it (it times the compiler)."""
+
+    side: str
+    """"before" or "after"."""
+    round: int | None
+    """Which round of that side (1 for the first), None for a single measurement."""
+    step: int
+    """Which step of that measurement (1 for its first)."""
+    seconds: float
+    """Its time (its first action's start to its last action's end)."""
+    counts: dict
+    """{rank: dynamo's counts in it} (`labkit.spans.compiled.COUNTS`) of the ranks that compiled."""
 
 
 class Agreement(NamedTuple):
@@ -124,6 +141,12 @@ class Slowdown(SlowdownText):
     their steps, paired in order)."""
     baseline: Quiet | None = None
     """The quiet rule (`labkit.spans.quiet`) over the before side's steps; None where not measured."""
+    left_out: list[LeftOut] = field(default_factory=list)
+    """The steps left out because torch.compile compiled in them (before's, then after's, in order): the
+    warm steps are compared. A measurement whose every step compiled keeps them (`unwarm`)."""
+    unwarm: list[str] = field(default_factory=list)
+    """The sides ("before", "after"; "after (round 2)" among rounds) whose every step compiled: compared as
+    they are, there being no warm step."""
 
     @property
     def delta(self) -> dict[str, float | None]:
@@ -311,11 +334,14 @@ def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
     """Why `after`'s steps take longer than `before`'s (or less), by cause, over all their steps, and how
     sure that is (`Slowdown.text`).
 
-    Each side is a `Timeline`, a run directory, a live-ranks cell directory or a spans file (read from
-    its spans where it has them, else with `load_timeline(path, source)`), or a list of them: several
-    rounds, paired in order, whose per-round changes give the noise each cause is weighed against. Two
-    single measurements (two runs, never interleaved) are weighed over their steps, paired in order.
-    Both sides should run the same schedule. Notebook 06b."""
+    Each side is a `Timeline`, a run directory, a live-ranks cell directory or a spans file, or a list of
+    them: several rounds, paired in order, whose per-round changes give the noise each cause is weighed
+    against. Two single measurements (two runs, never interleaved) are weighed over their steps, paired in
+    order. Both sides should run the same schedule. Every kind of side is read one way: as its Timeline
+    (`timeline_from_spans` where it has spans, else `load_timeline(path, source)`), from every clock that
+    Timeline carries (`Timeline.recorded`), so a directory, its Timeline (`pool.timeline(cell)`) and the
+    cell (`pool.compare`) give the same text. Steps in which torch.compile compiled (dynamo's counts per
+    step) are left out where a measurement has warm ones, and named apart (`Slowdown.left_out`). Notebook 06b."""
     sides = [list(x) if isinstance(x, (list, tuple)) else [x] for x in (before, after)]
     if len(sides[0]) != len(sides[1]) or not sides[0]:
         raise ValueError(f"Give as many rounds before as after (got {len(sides[0])} and {len(sides[1])}): "
@@ -342,8 +368,15 @@ def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
             notes.append(f"steps: before has {len(steps_b)}, after {len(steps_a)}: the first {len(units)} of each "
                          f"are paired for the noise; the means are over all of them.")
     baseline = quiet_from_loads([m.load for m in loaded[0]]) if all(m.load for m in loaded[0]) else None
-    return _compare(b, a, notes, {c for c, known in (("machine", clocked), ("kit", kit)) if not known},
-                    units, unit, baseline)
+    out = _compare(b, a, notes, {c for c, known in (("machine", clocked), ("kit", kit)) if not known},
+                   units, unit, baseline)
+    for name, side in zip(("before", "after"), loaded):
+        for i, m in enumerate(side):
+            out.left_out += [LeftOut(name, i + 1 if len(side) > 1 else None, k, t, counts)
+                             for k, t, counts in m.compiled]
+            if m.every_step_compiled:
+                out.unwarm.append(f"{name} (round {i + 1})" if len(side) > 1 else name)
+    return out
 
 
 def _compare(before: list[_Reading], after: list[_Reading], notes: list[str], unknown: set[str],

@@ -28,7 +28,7 @@ class SlowdownText:
         busy = self.baseline is not None and not self.baseline.ok
         return (f"The step takes {_ms(self.after)} against {_ms(self.before)} ({_ms(d, sign=True)}"
                 + (f", {self.after / self.before:.2f}x" if self.before > 0 else "") + ")"
-                + (" on a busy baseline" if busy else "") + ": " + self._why() + "." + self._sure())
+                + (" on a busy baseline" if busy else "") + ": " + self._why() + "." + self._warm() + self._sure())
 
     def report(self) -> str:
         """`text()`, the table by cause, and the notes: what `labkit timeline --compare` prints."""
@@ -104,6 +104,18 @@ class SlowdownText:
                                  f"transfers between ranks (their size, the backend, the link)",
                 "kit": f"the kit's own instrumentation took {_ms(abs(d))} {more}: the measurement, not your code",
                 }[cause] + load
+
+    def _warm(self) -> str:
+        """The steps left out because torch.compile compiled in them, named apart; the sides with no warm step."""
+        out = ""
+        if self.left_out:
+            out += " Steps that compiled are left out and the warm steps are compared: " + "; ".join(
+                f"{x.side}'s " + (f"round {x.round}, " if x.round else "") + f"step {x.step} compiled for "
+                f"{_time(x.seconds)} ({_compiled(x.counts)})" for x in self.left_out) + "."
+        for side in self.unwarm:
+            out += (f" Every step of {side} compiled (torch.compile): with no warm step it is compared as it is, "
+                    f"the compiler's time in it; run more steps.")
+        return out
 
     def _sure(self) -> str:
         """How sure: the units' spread and agreement, the baseline, what was not measured."""
@@ -203,3 +215,22 @@ class SlowdownText:
 
 def _ms(seconds: float, sign: bool = False) -> str:
     return f"{1e3 * seconds:{'+' if sign else ''}.3g} ms"
+
+
+def _time(seconds: float) -> str:
+    """A step's time in ms, or in s from a second on (a step that compiled: "2.9 s", not "2.9e+03 ms")."""
+    return f"{seconds:.3g} s" if seconds >= 1 else _ms(seconds)
+
+
+def _compiled(counts: dict) -> str:
+    """What dynamo did in a step, over the ranks that compiled: "torch.compile on ranks 0 and 1: 2 frames, 2 graphs"."""
+    def total(get) -> int:
+        return sum(max(0, int(get(c))) for c in counts.values())
+
+    said = [(total(lambda c: c.get("frames", 0)), "frame", ""), (total(lambda c: c.get("graphs", 0)), "graph", ""),
+            (total(lambda c: c.get("recompiles", 0)), "recompile", ""),
+            (total(lambda c: c.get("fell_back", 0) - c.get("at_limit", 0)), "frame", " it could not compile")]
+    ranks = sorted(int(r) for r in counts)
+    where = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    return f"torch.compile on {where}: " + ", ".join(f"{n} {what}{'s' if n != 1 else ''}{tail}"
+                                                     for n, what, tail in said if n)
