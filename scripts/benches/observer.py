@@ -1,0 +1,178 @@
+"""The kit as a transparent observer, measured as users launch (issue 63): the same user script (an 8-block
+language model, labkit.models.small_lm, 2 ranks, Schedule1F1B, 4 microbatches, timing its own steps between
+barriers) run by plain torchrun and by the kit, in interleaved pairs, each pair's order alternating:
+
+- `labkit launch` (every instrument at its default: spans, input fingerprints, the pipelining logs) against
+  `python -m torch.distributed.run --standalone`, eager and with the stage compiled (`module.compile()`,
+  inductor); the compiled jobs' first steps compile and are left out with the warm-up;
+- live ranks (`labkit.Ranks`, the script run in a cell) against the same plain torchrun job, eager;
+
+each quiet and beside one busy process per core. Per pair: the kit's median warm step over plain
+torchrun's, and the kit's peak resident memory per rank (ru_maxrss, the larger rank) over plain
+torchrun's. The figure of a row is the median over its pairs. Also RESULTS.md's section for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+OBSERVER_HEADING = "The kit against plain torchrun: the same script's step time and peak memory"
+USER_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from labkit.models import cut_small_lm, lm_loss, small_lm
+
+    own = not dist.is_initialized()  # a live rank's cell: the pool's process group
+    if own:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps, warm, compiled = int(sys.argv[1]), 3, sys.argv[2] == "compiled"
+    torch.manual_seed(0)
+    full = small_lm(8, dim=128)
+    blocks = list(range(rank * 8 // world, (rank + 1) * 8 // world))
+    module = cut_small_lm(full, blocks, rank == 0, rank == world - 1)
+    if compiled:
+        module.compile()
+    stage = PipelineStage(module, rank, world, "cpu")
+    schedule = Schedule1F1B(stage, 4, loss_fn=lm_loss)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (16, 64), generator=g), torch.randint(0, 128, (16, 64), generator=g)
+    times = []
+    for i in range(warm + steps):
+        dist.barrier()
+        t = time.perf_counter()
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    OBSERVED = {"steps": times[warm:], "peak": peak}
+    print(f"OBSERVED {rank} " + json.dumps(OBSERVED), flush=True)
+    if own:
+        dist.destroy_process_group()
+""")
+
+
+def _read(text: str) -> tuple[float, int]:
+    """The median warm step (rank 0's; the barriers make both ranks' alike) and the larger rank's peak."""
+    got = {}
+    for line in text.splitlines():
+        if "OBSERVED " in line:
+            _, rank, data = line[line.index("OBSERVED "):].split(" ", 2)
+            got[int(rank)] = json.loads(data)
+    if sorted(got) != [0, 1]:
+        raise RuntimeError(f"the script's figures were not printed by both ranks:\n{text[-2000:]}")
+    return _figures(got)
+
+
+def _figures(got: dict) -> tuple[float, int]:
+    return statistics.median(got[0]["steps"]), max(g["peak"] for g in got.values())
+
+
+def _plain(script: Path, steps: int, how: str) -> tuple[float, int]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(steps), how]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if p.returncode:
+        raise RuntimeError(f"plain torchrun failed: {p.stderr[-2000:]}")
+    return _read(p.stdout)
+
+
+def _kit(script: Path, steps: int, how: str, runs: Path) -> tuple[float, int]:
+    from labkit.launching.launch import launch
+
+    r = launch(script, [str(steps), how], nproc=2, runs_root=runs, progress=False, stream="none")
+    return _read(r.log(0, "stdout") + "\n" + r.log(1, "stdout"))
+
+
+def _warm(pool, script: Path, steps: int) -> tuple[float, int]:
+    got = pool.exec(f"import runpy, sys\nsys.argv = [{str(script)!r}, '{steps}', 'eager']\n"
+                    f"runpy.run_path({str(script)!r}, run_name='__main__')['OBSERVED']\n")
+    return _figures({int(r): v for r, v in got.items()})
+
+
+def _pairs(kit, plain, n: int) -> dict:
+    """n pairs, each pair's order alternating: the kit's step and peak over plain torchrun's."""
+    steps, peaks = [], []
+    for i in range(n):
+        if i % 2 == 0:
+            k, p = kit(), plain()
+        else:
+            p, k = plain(), kit()
+        steps.append(k[0] / p[0])
+        peaks.append(k[1] / p[1])
+    return {"step": _summary(steps), "peak": _summary(peaks)}
+
+
+def _summary(ratios: list[float]) -> dict:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
+
+
+def _busy(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def observer(pairs: int = 5, compiled_pairs: int = 3, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
+    """The kit's step and peak memory over plain torchrun's: launched eager and compiled, live ranks eager."""
+    import labkit
+
+    out = {"pairs": pairs, "compiled_pairs": compiled_pairs, "steps": steps,
+           "model": "small_lm, 8 blocks, dim 128, batch 16 x 64, 2 ranks, 1F1B, 4 microbatches"}
+    with tempfile.TemporaryDirectory() as tmp:
+        script, runs = Path(tmp) / "user_step.py", Path(tmp) / "runs"
+        script.write_text(USER_SCRIPT)
+        pool = labkit.Ranks(nproc=2, device="cpu", runs_root=runs, live="none")
+        try:
+            for condition in conditions:
+                busy = _busy(os.cpu_count() or 1) if condition == "loaded" else []
+                try:
+                    load = os.getloadavg()[0]
+                    row = {
+                        "launch eager": _pairs(lambda: _kit(script, steps, "eager", runs),
+                                               lambda: _plain(script, steps, "eager"), pairs),
+                        "launch compiled": _pairs(lambda: _kit(script, steps, "compiled", runs),
+                                                  lambda: _plain(script, steps, "compiled"), compiled_pairs),
+                        "live ranks eager": _pairs(lambda: _warm(pool, script, steps),
+                                                   lambda: _plain(script, steps, "eager"), pairs),
+                    }
+                    out[condition] = {**row, "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
+                finally:
+                    for p in busy:
+                        p.kill()
+                        p.wait()
+        finally:
+            pool.close()
+    return out
+
+
+def _observer_rows(ob: dict | None) -> list[str]:
+    """RESULTS.md's section: how, then a row per way of running and condition."""
+    if not ob:
+        return []
+    when = f"; measured {ob['date']}, torch {ob['torch']}" if ob.get("date") else ""
+    how = (f"One user script ({ob['model']}; it times its own steps between barriers, {ob['steps']} after 3 "
+           f"warm-up, which hold a compiled stage's compile) run by the kit and by plain `torchrun --standalone`, "
+           f"interleaved pairs, each pair's order alternating ({ob['pairs']} pairs a row, {ob['compiled_pairs']} "
+           f"compiled){when}. The kit: `labkit launch` with every instrument at its default (spans, the input "
+           "fingerprints, the pipelining logs), and live ranks (the script run in a cell). Loaded: one busy "
+           "process per core beside both sides. Step: the kit's median warm step over plain torchrun's; "
+           "peak: the larger rank's peak resident memory (ru_maxrss), the kit's over plain torchrun's.")
+    rows = []
+    for condition in ("quiet", "loaded"):
+        c = ob.get(condition)
+        if not c:
+            continue
+        for way in ("launch eager", "launch compiled", "live ranks eager"):
+            s, p = c[way]["step"], c[way]["peak"]
+            rows.append(f"| {way} | {condition} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
+                        f"({s['min']:.3f}-{s['max']:.3f}) | {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}) |")
+    return ["", f"## {OBSERVER_HEADING}", "", how, "",
+            "| the kit | machine | step, median (range) | peak memory, median (range) |", "| --- | --- | --- | --- |",
+            *rows]
