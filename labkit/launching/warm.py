@@ -11,8 +11,9 @@ files, exit codes. Each rank then runs the kit's job module or the user's script
 in the rank: the signal handlers are Python's defaults again (not the agent's), the spans recorder
 opens its own rank's file, exit handlers registered before the fork are dropped and the rank's own
 run at its end. CUDA is never initialised here (importing torch does
-not): each rank sets up its own device. `command.txt` keeps the plain torchrun command (same
-arguments), for a learner to copy.
+not): each rank sets up its own device. `command.txt` ends with the plain torchrun command (the
+same script and arguments, for a learner to copy), after comment lines that say what differs: this
+launcher and the environment the kit added (labkit.launching.command.command_text).
 
 `LABKIT_START_METHOD`: "fork" (the default), "forkserver" (a server process that preloads the same
 modules) or "spawn" (what torchrun does with a function: every rank imports torch again). Measured

@@ -7,7 +7,8 @@ guessed from the losses.
 A fingerprint costs one float64 copy and three reductions over each input and the output of a forward
 (the copy freed at once, no host sync: the sums stay on the tensor's device until the check reads them):
 about 0.1 ms for a 4 x 64 x 128 activation on one CPU core, under 1% of the bench LM's forward and
-backward of that microbatch (scripts/benches/observer.py measures the whole kit against plain torchrun). `labkit.spans.record`
+backward of that microbatch (scripts/benches/observer.py measures the whole kit against plain
+torchrun). `labkit.spans.record`
 calls `begin` from its wrapper of `forward_one_chunk`, in every process the kit starts (jobs, live
 ranks), and `before` / `after` from its wrapper of the stage's call of its module
 (`labkit.versions.stage_module_call`): no hook is put on the user's module, so none is traced into a
