@@ -4,7 +4,8 @@
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11,
-                                      # then what asks labkit.versions' release table on a middle release
+                                      # then what asks labkit.versions' release table, and the hang
+                                      # diagnosis, on a middle release
     python3 scripts/dev.py test --quick        # the inner loop: the tests that start no job, pool or kernel
     python3 scripts/dev.py test --under-load   # every set-up, then the same beside one busy process per core
     python3 scripts/dev.py test --legs-beside  # the later legs beside the first, not after it
@@ -48,12 +49,17 @@ OTHER_END_TESTS = ("tests/test_versions.py", "tests/test_pplog.py", "tests/test_
                    "tests/test_load.py", "notebooks")
 MIDDLE = {(2, 12): "torch==2.12.1", (2, 13): "torch==2.13.0", (2, 14): "torch==2.14.1"}
 """The supported releases between the two ends, each as the patch release its table row was measured on."""
+DIAGNOSIS_TESTS = ("tests/test_hangs.py",)
+"""Where a hung or failed job is stuck, and why (labkit.timeline.stuck): it reads torch's pipelining logs and
+the ranks' stacks, whose lines and waits move between releases (torch 2.13's Schedule1F1B waits for its
+previous send inline, 2.15 in a helper it names), so leg 3 runs it on a middle release too (issue 63)."""
 MIDDLE_TESTS = ("tests/test_versions.py", "notebooks/02_tracer_split.ipynb", "notebooks/06_reading_pp_logs.ipynb",
                 "notebooks/09_gotchas.ipynb", "notebooks/11_your_own_model.ipynb",
-                "notebooks/14_pipelining_in_practice.ipynb")
+                "notebooks/14_pipelining_in_practice.ipynb") + DIAGNOSIS_TESTS
 """Leg 3, on one middle release: every notebook and test that asks labkit.versions.fact what a release does
 (or still compares releases by hand), and the table's own tests (its feature probes: what a notebook asks
-with versions.has takes one of the two paths the ends run). tests/test_setup.py keeps it complete."""
+with versions.has takes one of the two paths the ends run); and the hang diagnosis (DIAGNOSIS_TESTS).
+tests/test_setup.py keeps it complete."""
 
 
 def sh(*cmd, **kw) -> None:

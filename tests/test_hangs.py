@@ -276,6 +276,101 @@ def test_a_wait_posted_before_the_log_names_a_stage_still_names_the_peer():
 
 
 # ---------------------------------------------------------------------------------------------
+# a rank outside the schedule before any wait cycle it induces (issue 63, 7a): a recorded torch 2.13 hang,
+# 4 ranks of Schedule1F1B (4 microbatches), the last rank alone in an all_reduce after its step 5
+# (tests/fixtures/hangs/2.13.0-allreduce-1F1B-p4-m4: each rank's pipelining lines and its stack, as
+# `labkit launch ... stall=8` left them; the script is ALLREDUCE_ALONE below)
+
+RECORDED_213 = Path(__file__).parent / "fixtures" / "hangs" / "2.13.0-allreduce-1F1B-p4-m4"
+
+
+def _recorded_213():
+    import json
+
+    logs = {r: read_rank_log(parse_files([RECORDED_213 / f"rank{r}.log"])) for r in range(4)}
+    ends = {}
+    for r, e in json.loads((RECORDED_213 / "stacks.json").read_text()).items():
+        frames = [tuple(f) for f in e["frames"]]
+        ends[int(r)] = RankEnd(e["how"], frames, frames[-1])  # the script's line is each stack's outermost kept
+    return logs, ends
+
+
+def test_a_recorded_2_13_hang_names_the_rank_outside_the_schedule_not_a_wait_cycle():
+    """torch 2.13's 1F1B waits for its previous send inline (2.15 calls `_wait_and_release_fwd_send`): rank 2,
+    stage 2, had received and forwarded microbatch 1 and waits until rank 3 takes microbatch 0. It was read
+    as waiting for rank 1's microbatch 1, which made ranks 1 and 2 wait for each other: "a wait cycle"."""
+    logs, ends = _recorded_213()
+    stuck = explain(logs, ends)
+    s = stuck.ranks
+    assert [s[r].step for r in range(4)] == [6, 6, 6, 5] and s[3].doing == "outside"
+    assert s[2].sentence() == ("rank 2 waits in step 6, in SEND(stage 2, mb 0), until stage 3 (rank 3) receives "
+                               "microbatch 0's activation")
+    assert s[3].sentence() == ("rank 3 is outside the schedule: it left schedule.step after step 5 and is in "
+                               "<module> (hang_allreduce.py:20)")
+    assert stuck.causes[0].startswith("rank 3 is outside the schedule while rank 2 waits for it in step 6: rank 3 "
+                                      "left schedule.step after step 5 and is in <module> (hang_allreduce.py:20)")
+    assert not any("wait cycle" in c for c in stuck.causes) and stuck.unknown == []
+
+
+def test_waits_that_go_round_in_orders_that_finish_are_no_wait_cycle():
+    """The same recorded states with rank 2's wait as it was misread (for rank 1's microbatch 1): ranks 1 and 2
+    seem to wait for each other, but Schedule1F1B's plan for 4 ranks and 4 microbatches finishes
+    (find_deadlock), so no wait cycle is named; rank 3, outside the schedule, is still the first cause, though
+    no logged wait names it: its pipeline's ranks wait in a step that needs it."""
+    from dataclasses import replace
+
+    from labkit.theory import planned_actions
+    from labkit.timeline.logged_steps import Transfer
+    from labkit.timeline.stuck_causes import causes
+
+    logs, ends = _recorded_213()
+    states = explain(logs, ends).ranks
+    states[2] = replace(states[2], action=("F", 2, 1), waits=[Transfer("recv", "activation", 1, 1, 1, "[2, 4]", False)])
+    assert find_deadlock(planned_actions("1F1B", 4, 4)) is None
+    found, unknown = causes(states, logs)
+    assert found[0].startswith("rank 3 is outside the schedule while ranks 0, 1, 2 wait in step 6 of its pipeline: "
+                               "rank 3 left schedule.step after step 5")
+    assert not any("wait cycle" in c for c in found) and unknown == []
+
+
+def test_a_wait_cycle_is_named_only_when_the_orders_deadlock():
+    """A custom order on the runtime (no plan the kit knows): a cycle is checked on what the ranks ran, the
+    action each is blocked at and what the other waits for from it. The same waits with rank 1's read as a wait
+    for microbatch 0's activation, which rank 0 has produced, do not go round: no cycle is named."""
+    from dataclasses import replace
+
+    from labkit.timeline.stuck_causes import causes
+
+    log0 = Log("_PipelineScheduleRuntime").run(0, "0F0").f(0, 0).run(1, "0SEND_F0")
+    log0.p2p("", ("isend", 0, 1)).run(2, "0RECV_B0").p2p("", ("irecv", 1, 0)).run(3, "0B0")
+    log1 = Log("_PipelineScheduleRuntime").run(0, "1RECV_F0").p2p("", ("irecv", 0, 1)).run(1, "1F0").f(1, 0)
+    log1.run(2, "1RECV_F1").p2p("", ("irecv", 0, 1)).run(3, "1F1")
+    ends = {r: stalled(in_step("_wait_batch_p2p", "_step_microbatches")) for r in (0, 1)}
+    logs = {0: log0.read(0), 1: log1.read(1)}
+    states = explain(logs, ends).ranks
+    assert causes(states, logs)[0][0].startswith("a wait cycle: rank 0 waits for rank 1, rank 1 waits for rank 0")
+    states[1] = replace(states[1], waits=[replace(t, mb=0) for t in states[1].waits])
+    found, unknown = causes(states, logs)
+    assert not any("wait cycle" in c for c in found) and unknown == []
+
+
+def test_a_send_wait_after_the_consumed_receive_is_read_on_every_release():
+    """torch 2.13's 1F1B cool-down waits for its previous gradient send inline, after the backward that
+    consumed its last receive: stage 1 of 4 (4 microbatches), after B(1, 2), waits until stage 0 takes
+    microbatch 1's gradient (not for microbatch 2's gradient, which it has used)."""
+    log = Log().p2p("fwd_recv", ("irecv", 0, 1)).f(1, 0).p2p("fwd_send", ("isend", 1, 2))
+    log.p2p("fwd_recv", ("irecv", 0, 1)).f(1, 1).p2p("fwd_send", ("isend", 1, 2))
+    log.p2p("fwd_recv", ("irecv", 0, 1)).f(1, 2)
+    log.p2p("fwd_send_bwd_recv", ("isend", 1, 2), ("irecv", 2, 1)).b(1, 0)
+    log.p2p("bwd_send_fwd_recv", ("isend", 1, 0), ("irecv", 0, 1)).f(1, 3)
+    log.p2p("fwd_send_bwd_recv", ("isend", 1, 2), ("irecv", 2, 1)).b(1, 1)
+    log.p2p("bwd_send", ("isend", 1, 0)).p2p("bwd_recv", ("irecv", 2, 1)).b(1, 2)
+    s1 = explain({1: log.read(1)}, {1: stalled(in_step("_wait_batch_p2p"))}).ranks[1]
+    assert s1.sentence() == ("rank 1 waits in step 1, in SEND(stage 1, mb 1), until stage 0 (rank 0) receives "
+                             "microbatch 1's gradient")
+
+
+# ---------------------------------------------------------------------------------------------
 # a live pool's cell (labkit.Ranks): the cell's own logs, ranks that finished it or were not sent it
 
 
@@ -475,11 +570,36 @@ MICROBATCHES_DIFFER = _HEAD + textwrap.dedent("""
 """)
 
 
-def _launch_failing(path, runs, **kw):
+ALLREDUCE_ALONE = textwrap.dedent("""
+    import torch, torch.nn as nn
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    stage = PipelineStage(full[rank], rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    print("ready", flush=True)
+    for step in range(1, 11):
+        if rank == 0:
+            schedule.step(torch.randn(8, 4))
+        elif rank == world - 1:
+            schedule.step(target=torch.randn(8, 4))
+        else:
+            schedule.step()
+        if rank == world - 1 and step % 5 == 0:
+            dist.all_reduce(torch.ones(1))  # the bug: a collective only the last rank joins
+    print("done", flush=True)
+""")
+
+
+def _launch_failing(path, runs, nproc=2, **kw):
     from labkit.launching.launch import LaunchError, launch
 
     with pytest.raises(LaunchError) as e:
-        launch(path, nproc=2, runs_root=runs, progress=False, stream="none", timeout=240, **kw)
+        launch(path, nproc=nproc, runs_root=runs, progress=False, stream="none", timeout=240, **kw)
     print(e.value)  # what a learner reads (pytest -s shows it)
     return str(e.value), e.value.run
 
@@ -523,6 +643,22 @@ def test_launched_ranks_that_ran_different_numbers_of_steps(tmp_path, runs, caps
     assert "Cause: rank 1 is outside the schedule while rank 0 waits for it in step 2" in msg
     err = _timeline_stderr(run, capsys)
     assert "this run did not finish (status timeout" in err and stuck.ranks[1].sentence() in err
+
+
+@pytest.mark.launches
+def test_launched_4_ranks_where_the_last_is_alone_in_an_all_reduce(tmp_path, runs):
+    """Issue 63, 7a: the cause is the rank outside the schedule, never a wait cycle, on every release (torch
+    2.13 read rank 2's wait for its previous send as a wait for rank 1, and named a cycle of ranks 1 and 2)."""
+    (tmp_path / "hang_allreduce.py").write_text(ALLREDUCE_ALONE)
+    msg, run = _launch_failing(tmp_path / "hang_allreduce.py", runs, nproc=4, stall=8)
+    stuck = run.where_stuck()
+    assert [stuck.ranks[r].step for r in range(4)] == [6, 6, 6, 5]
+    assert stuck.ranks[3].sentence().startswith(
+        "rank 3 is outside the schedule: it left schedule.step after step 5 and is in <module> (hang_allreduce.py:")
+    assert stuck.causes[0].startswith("rank 3 is outside the schedule while rank 2 waits for it in step 6: rank 3 "
+                                      "left schedule.step after step 5")
+    assert "Cause: rank 3 is outside the schedule while rank 2 waits for it in step 6" in msg
+    assert "wait cycle" not in msg and stuck.causes == _read_back_causes(run)
 
 
 @pytest.mark.launches

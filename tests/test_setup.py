@@ -386,7 +386,7 @@ def test_each_later_leg_runs_after_the_one_before_unless_asked_to_run_beside(mon
     assert (legs[0].after is not None) is in_turn and (legs[1].after is legs[0].done) is in_turn
     # the serial passes: the whole suite's, then each later leg's own test files on its torch
     assert [venv for venv, _ in serial] == [dev.VENV.name, dev.OTHER_VENV.name, legs[1].spec.venv.name], serial
-    assert serial[2][1] == ["tests/test_versions.py"]
+    assert serial[2][1] == ["tests/test_versions.py", *dev.DIAGNOSIS_TESTS]
     legs.clear()
     assert dev.test_legs(["--no-middle", "-x"], "2.15.0") == 0 and [leg.spec.number for leg in legs] == [2]
     legs.clear()
@@ -540,7 +540,8 @@ def test_pip_check_failing_is_one_message(tmp_path):
 # ---- leg 3: one middle release, for what asks labkit.versions what a release does ----
 def test_the_middle_leg_runs_every_notebook_and_test_that_asks_what_a_release_does():
     """MIDDLE_TESTS is exactly the files that ask `versions.fact` (or still compare releases by hand),
-    with the table's own tests. A file that only asks `versions.has` is left out: a feature's two paths
+    with the table's own tests, and the hang diagnosis (DIAGNOSIS_TESTS: it reads torch's logs and stacks,
+    which differ between releases). A file that only asks `versions.has` is left out: a feature's two paths
     both run on the ends (2.11 without, 2.15 with), and which one a middle release takes is the table's
     feature probe, in tests/test_versions.py."""
     import re
@@ -550,7 +551,8 @@ def test_the_middle_leg_runs_every_notebook_and_test_that_asks_what_a_release_do
     dev = _dev_module()
     asking = {path for path, code in test_versions.release_sources().items()
               if re.search(r"versions\.fact\(", code) or test_versions.HAND_WRITTEN_RELEASE.search(code)}
-    assert set(dev.MIDDLE_TESTS) == asking | {"tests/test_versions.py"}, sorted(asking)
+    assert set(dev.MIDDLE_TESTS) == asking | {"tests/test_versions.py"} | set(dev.DIAGNOSIS_TESTS), sorted(asking)
+    assert dev.DIAGNOSIS_TESTS == ("tests/test_hangs.py",)
     assert all((ROOT / p).exists() for p in dev.MIDDLE_TESTS)
 
 
@@ -592,7 +594,7 @@ def test_the_middle_leg_installs_its_torch_over_the_floors_lock(monkeypatch, tmp
     assert leg.room() == (leg.venv, "2.14.1", False)
     assert dev.other_end_leg().room()[1:] == ("2.11.0", False) and dev.other_end_leg().setup_args == ["--other-end"]
     assert dev.serial_paths(dev.other_end_leg())[-1] == "notebooks/06b_measuring_a_step.ipynb"  # "notebooks" holds it
-    assert dev.serial_paths(leg) == ["tests/test_versions.py"]
+    assert dev.serial_paths(leg) == ["tests/test_versions.py", *dev.DIAGNOSIS_TESTS]
     calls = []  # what envsetup is asked: the floors lock, that torch instead of its own, and where that came from
     monkeypatch.setattr(dev.envsetup, "setup", lambda venv, lock, **k: calls.append((venv, lock.name, k)) or "2.14.1")
     monkeypatch.setattr(dev.envsetup, "check_room", lambda envs: None)

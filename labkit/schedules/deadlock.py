@@ -10,7 +10,8 @@ planned later): following those waits gives a cycle (`Deadlock.cycle`), or an ac
 before the first step (`labkit run --schedule-csv`, `labkit.config.run.validate_order_csv`;
 notebooks/scripts/custom_schedule.py). torch's own check (`_simulate_comms_compute`, private) lowers
 an order with its sends and receives and prints, then raises a bare ValueError; for a compute-only
-order its rules are these, so the kit's own replay, which says who waits for whom, is used.
+order its rules are these, so the kit's own replay, which says who waits for whom, is used. A hung job's
+wait cycle is named only where this replay of the ranks' orders finds one (`labkit.timeline.stuck_causes`).
 Taught in notebook 08 (a deadlocking custom order) and 09.
 
 May import: labkit.core (within labkit.schedules: orders).

@@ -3,8 +3,9 @@
 Per rank: the step it is in, the action it is in (or "outside the schedule" with its frame), the
 microbatch, and the peer rank and stage it waits on. Then the cause where the kit can tell it: a rank
 outside the schedule, ranks in different steps, schedules that differ across ranks (class, microbatch
-count, stages), a wait cycle among ranks, a peer that left first (the crash a "Connection closed by
-peer" only echoes). Anything it cannot tell it says (`Stuck.unknown`).
+count, stages), a wait cycle among ranks (only where their orders deadlock), a peer that left first (the
+crash a "Connection closed by peer" only echoes), ranked as `stuck_causes` says. Anything it cannot tell
+it says (`Stuck.unknown`).
 
 It reads each rank's PP log (`labkit.timeline.logged_steps`: a hung step's spans never reach the file,
 they are written when a step ends), how each rank ended as the launcher saw it (`RankEnd`: the stack
@@ -89,6 +90,8 @@ class RankState:
     """Where `step` comes from: "logs", "spans" or "" (unknown)."""
     echo: bool = False
     """Its error only echoes a peer's end (`RankEnd.echo`)."""
+    pipeline: tuple = ()
+    """The global ranks of its pipeline, where its spans say them (() : unknown, read as one pipeline)."""
 
     @property
     def in_schedule(self) -> bool:
@@ -209,17 +212,33 @@ def _position(frames: list) -> tuple[str, str, str, str]:
 
 
 def _waits(step: LoggedStep | None, caller: str, placement: dict) -> list[Transfer]:
-    """The transfers a rank blocked in `_wait_batch_p2p` waits for: the last it posted (the warm-up's
-    wait for an earlier send: the last send of activations); in the runtime, its action's input."""
+    """The transfers a rank blocked in `_wait_batch_p2p` waits for: the last it posted, unless its log shows
+    that batch over (then an earlier send: the warm-up's wait for the previous send of activations, the
+    cool-down's for the previous send of gradients); in the runtime, its action's input."""
     if step is None:
         return []
     if step.runtime:
         return _runtime_waits(step, placement)
-    if caller == "_wait_and_release_fwd_send":
+    if caller == "_wait_and_release_fwd_send":  # torch 2.15 names the warm-up's wait for its previous send
         for _, _, ts in reversed(step.posts):
             if any(t.op == "send" and t.what == "activation" for t in ts):
                 return ts
+    if step.posts and _received(step, step.posts[-1][2]):
+        # Before that helper the previous send is waited for inline, after the action that consumed the last
+        # batch (Schedule1F1B's warm-up and cool-down, torch 2.13): a rank cannot wait for a tensor it has used.
+        for _, _, ts in reversed(step.posts[:-1]):
+            if any(t.op == "send" for t in ts):
+                return [t for t in ts if t.op == "send"]
     return step.posts[-1][2] if step.posts else []
+
+
+def _received(step: LoggedStep, transfers: list) -> bool:
+    """The batch held a receive whose action the step has ended since: that batch is over."""
+    consumer = {"activation": ("F", 1), "gradient": ("BI", -1)}  # its kinds, and its stage from the sender's
+    recvs = [t for t in transfers if t.op == "recv" and t.mb is not None and t.what in consumer]
+    return bool(recvs) and all(any(k in consumer[t.what][0] and mb == t.mb
+                                   and (t.peer_stage is None or s == t.peer_stage + consumer[t.what][1])
+                                   for k, s, mb in step.done) for t in recvs)
 
 
 def _runtime_waits(step: LoggedStep, placement: dict) -> list[Transfer]:
@@ -293,7 +312,7 @@ def rank_state(rank: int, log: RankLog, end: RankEnd, placement: dict, spans_don
     done = [s for s in log.steps if s.complete()]
     return RankState(rank, end.how, doing, number, _action(step, doing, func, waits, stage), waits, end.user, inner,
                      log.schedule, done[-1].microbatches() if done else None, end.error, end.exitcode, log.last_time,
-                     tuple(sorted(log.stages)), source, end.echo)
+                     tuple(sorted(log.stages)), source, end.echo, tuple(pipeline or ()))
 
 
 def explain(logs: dict, ends: dict, spans_done: dict | None = None, pipelines: dict | None = None,

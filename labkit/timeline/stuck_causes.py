@@ -5,12 +5,23 @@ schedules that differ across ranks (class, microbatch count, stages), a wait cyc
 first, or no wait at all (slow work is not a hang). Each cause is a sentence that says what to change;
 what the kit could not tell is said too. Taught in notebook 09.
 
-May import: labkit.core, labkit.timeline.
+Ranked so that the first cause is the one to fix: a rank outside the schedule (in a collective, a data
+loader, an evaluation) comes before anything its absence induces, even where the waits its peers logged do
+not lead to it. A wait cycle is named only where the ranks' orders really deadlock: their observed waits
+form a cycle AND `labkit.schedules.deadlock.find_deadlock` finds one in their orders (the planned orders of
+their schedule class and microbatch count, from `labkit.theory.planned_actions`; else, for a custom order,
+what each rank ran, the action it is blocked at and the actions its peers wait for from it). The plan of a
+torch schedule that every rank runs alike finishes: waits that seem to go round are then a consequence.
+
+May import: labkit.core, labkit.timeline, labkit.schedules, labkit.theory.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from ..schedules.deadlock import find_deadlock
+from ..schedules.orders import ScheduleError
 
 if TYPE_CHECKING:
     from .logged_steps import RankLog
@@ -22,12 +33,14 @@ __all__ = ["causes"]
 def causes(states: dict[int, "RankState"], logs: dict[int, "RankLog"],
            cell: int | None = None) -> tuple[list[str], list[str]]:
     """(causes, what could not be told), each a list of sentences. `cell`: a live pool's cell (labkit.Ranks)."""
-    found = (_outside(states) + _left_cell(states) + _left_first(states) + _different_steps(states)
-             + _schedules_differ(states, logs) + _cycle(states))
+    first = (_outside(states) + _left_cell(states) + _left_first(states) + _different_steps(states)
+             + _schedules_differ(states, logs))
+    cycle, unchecked = _cycle(states, logs)  # last: a cycle these induce is theirs, not the orders'
+    found = first + cycle
     if not found:
         found = _not_waiting(states, "" if cell is not None else  # a pool's error says how to raise a cell's deadline
                              " If the job is just slow, raise stall= (--stall) or timeout= (--timeout).")
-    return found, _unknown(states, logs)
+    return found, _unknown(states, logs) + ([] if first else unchecked)
 
 
 def _waited_on(s: "RankState", states: dict) -> set[int]:
@@ -44,16 +57,33 @@ def _outside(states: dict) -> list[str]:
     for r, s in sorted(states.items()):
         if s.doing != "outside":
             continue
-        waiters = [w for w in states.values() if r in _waited_on(w, states)]
-        if not waiters:
+        waiting = _waiting_for(r, states)
+        if not waiting:
             continue
-        w = waiters[0]
+        w, named = waiting[0]
+        if named:
+            wait = f"rank {w.rank} waits for it in step {w.step}"
+        else:  # no logged wait names it, but its pipeline's ranks wait in a step that needs it
+            many = len(waiting) > 1
+            steps = "/".join(str(k) for k in sorted({x.step for x, _ in waiting if x.step is not None})) or "?"
+            wait = (f"rank{'s' if many else ''} {', '.join(str(x.rank) for x, _ in waiting)} wait"
+                    f"{'' if many else 's'} in step {steps} of its pipeline")
         done = ("never reached schedule.step" if s.step == 0 else
                 f"left schedule.step after step {s.step}" if s.step else "is not in schedule.step")
-        out.append(f"rank {r} is outside the schedule while rank {w.rank} waits for it in step {w.step}: rank {r} "
+        out.append(f"rank {r} is outside the schedule while {wait}: rank {r} "
                    f"{done} and is in {s.frame()}. Every rank of a pipeline calls schedule.step, the same number "
                    f"of times: find why rank {r} does not (a data loader, an evaluation, a condition on the rank).")
     return out
+
+
+def _waiting_for(r: int, states: dict) -> list[tuple]:
+    """[(a rank that waits, True where its logged waits name `r`)]: those that wait for `r` itself; else every
+    rank of `r`'s pipeline blocked in the schedule (False): a step needs every rank of its pipeline, whatever
+    the waits read from the logs say (a wait misread, or one that ends at a rank that waits for `r`)."""
+    direct = [(w, True) for w in states.values() if r in _waited_on(w, states)]
+    mine = states[r].pipeline
+    return direct or [(w, False) for x, w in sorted(states.items()) if w.doing in ("wait", "setup")
+                      and (not mine or x in mine) and (not w.pipeline or r in w.pipeline)]
 
 
 def _left_cell(states: dict) -> list[str]:
@@ -133,8 +163,32 @@ def _stages_differ(logs: dict) -> list[str]:
     return out
 
 
-def _cycle(states: dict) -> list[str]:
-    """A cycle of ranks each waiting for the next (ranks still running: their stacks were dumped)."""
+def _cycle(states: dict, logs: dict) -> tuple[list[str], list[str]]:
+    """(a wait cycle, as a cause; what could not be told of one). The ranks' waits must go round AND
+    `find_deadlock` must find a cycle in their orders: waits that go round in orders that finish are a
+    consequence of something else (a rank outside the schedule, a misread wait), never a deadlock."""
+    loop = _wait_loop(states)
+    if not loop or any(states[r].doing == "setup" for r in loop):
+        return [], []  # the set-up is an exchange every rank joins, not a step of an order
+    orders = _planned_orders(states, logs, loop) or _seen_orders(states, logs, loop)
+    if orders is None:
+        ranks = ", ".join(str(r) for r in loop[:-1])
+        return [], [f"ranks {ranks} wait for each other, but the kit could not check their orders (one of them "
+                    "waits on a send, and the schedule is not one the kit plans): it names no wait cycle."]
+    try:
+        found = find_deadlock(orders, 1 + max((s for log in logs.values() for s in log.stages), default=0))
+    except ScheduleError:
+        found = None
+    if found is None or not found.cycle:
+        return [], []
+    hops = ", ".join(f"rank {a} waits for rank {b}" for a, b in zip(found.cycle, found.cycle[1:]))
+    return [f"a wait cycle: {hops}: none of them can go on. Their orders deadlock: check an order "
+            "before running it (labkit.schedules.deadlock.find_deadlock)."], []
+
+
+def _wait_loop(states: dict) -> list[int]:
+    """The first cycle of ranks each waiting for the next (ranks still running: their stacks were dumped),
+    as [r0, r1, ..., r0]; [] if none."""
     edges = {r: sorted(_waited_on(s, states) & set(states)) for r, s in states.items()
              if s.how == "stalled" and s.doing in ("wait", "setup")}
     for start in sorted(edges):
@@ -146,12 +200,74 @@ def _cycle(states: dict) -> list[str]:
                 loop = path[path.index(r):] + [r]
                 if len(loop) < 3 and states[loop[0]].doing == "setup":
                     break
-                hops = ", ".join(f"rank {a} waits for rank {b}" for a, b in zip(loop, loop[1:]))
-                return [f"a wait cycle: {hops}: none of them can go on. Their orders deadlock: check an order "
-                        "before running it (labkit.schedules.deadlock.find_deadlock)."]
+                return loop
             path.append(r)
             seen.add(r)
     return []
+
+
+def _pipeline(states: dict, loop: list) -> list[int]:
+    mine = states[loop[0]].pipeline
+    return list(mine) if mine and all(r in states for r in mine) else sorted(states)
+
+
+def _planned_orders(states: dict, logs: dict, loop: list) -> dict | None:
+    """{rank: the order its schedule class plans for one step of its microbatch count} for every rank of the
+    loop's pipeline (`labkit.theory.planned_actions`); None where one is unknown (a custom order run on the
+    runtime, a step count not yet logged) or does not place the stages the rank logged."""
+    from ..theory import planned_actions
+
+    ranks = _pipeline(states, loop)
+    orders = {}
+    for i, r in enumerate(ranks):
+        s, log = states[r], logs.get(r)
+        if log is None or not s.schedule or not s.microbatches or not log.stages:
+            return None
+        try:
+            plan = planned_actions(s.schedule, len(ranks), s.microbatches, len(log.stages))[i]
+        except Exception:  # not a schedule the kit plans (_PipelineScheduleRuntime), or sizes torch refuses
+            return None
+        if {st for _, st, _ in plan} != set(log.stages):
+            return None
+        orders[r] = list(plan)
+    return orders
+
+
+_TOPO = {"F": 0, "B": 1, "I": 1, "W": 2}
+
+
+def _done_in_order(done: set) -> list:
+    """The actions a rank ended in its step, in an order that replays: every forward before every backward,
+    forwards by (microbatch, stage), backwards by (microbatch, stage from the last)."""
+    return sorted(done, key=lambda a: (_TOPO[a[0]], a[2], a[1] if a[0] == "F" else -a[1]))
+
+
+def _seen_orders(states: dict, logs: dict, loop: list) -> dict | None:
+    """{rank: what it ran in its step, the action it is blocked at, then what its peers wait for from it}: the
+    part of a custom order the logs tell. None where a rank of the loop waits on a send only (an order holds
+    compute actions: a send's wait is in none)."""
+    if any(not any(t.op == "recv" for t in states[r].waits) for r in loop):
+        return None
+    orders = {}
+    for r, s in states.items():
+        if not s.in_schedule:
+            continue  # a rank outside the schedule plans nothing the others could wait for
+        log = logs.get(r)
+        ongoing = log is not None and log.steps and s.steps_from == "logs" and s.step == len(log.steps)
+        orders[r] = _done_in_order(log.step.done) if ongoing else []
+        if s.doing in ("wait", "compute") and s.action and s.action[0] in _TOPO and None not in s.action \
+                and s.action not in orders[r]:
+            orders[r].append(tuple(s.action))
+    for w in states.values():
+        for t in w.waits:
+            if t.op != "recv" or t.mb is None or t.peer_stage is None or t.peer_rank not in orders:
+                continue
+            peer = orders[t.peer_rank]
+            kinds = ("F",) if t.what == "activation" else \
+                ("I", "B") if any(k == "I" for k, _, _ in peer) else ("B", "I")
+            if not any((k, t.peer_stage, t.mb) in peer for k in kinds):
+                peer.append((kinds[0], t.peer_stage, t.mb))
+    return orders
 
 
 def _gone(s: "RankState") -> bool:
