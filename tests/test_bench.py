@@ -288,3 +288,17 @@ def test_the_instruments_as_launched_rows_say_each_condition():
     assert f"## {bench.AS_LAUNCHED_HEADING}" in text
     assert "| pipelining logs (+pp) | quiet (load 0.3-0.5) | 1.050x | 0.980-1.200x | 4 of 5 |" in text
     assert "| span recording | loaded (load 2.1-2.4) | 1.050x |" in text and bench._as_launched_rows(None) == []
+
+
+def test_the_observer_rows_say_each_way_and_condition():
+    """RESULTS.md's section of the kit against plain torchrun: a row per way of running and machine,
+    step and peak memory each as a median with its range."""
+    s = {"median": 1.01, "min": 0.97, "max": 1.04, "ratios": [1.01] * 5}
+    p = {"median": 0.64, "min": 0.63, "max": 0.66, "ratios": [0.64] * 5}
+    row = {w: {"step": s, "peak": p} for w in ("launch eager", "launch compiled", "live ranks eager")}
+    ob = {"pairs": 5, "compiled_pairs": 3, "steps": 20, "model": "m", "quiet": {**row, "load": [0.3, 0.5]},
+          "loaded": {**row, "load": [2.1, 2.4]}}
+    text = "\n".join(bench._observer_rows(ob))
+    assert f"## {bench.OBSERVER_HEADING}" in text
+    assert "| launch compiled | quiet (load 0.3-0.5) | 1.010x (0.970-1.040) | 0.640x (0.630-0.660) |" in text
+    assert "| live ranks eager | loaded (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
