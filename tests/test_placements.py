@@ -3,7 +3,9 @@ per rank, looped and V-shaped placement) on 2 and 4 live ranks, with stage modul
 parameter names (each stage one `Block`: 'lin.weight' on every stage) and with the unsplit model's
 distinct names (a manual cut that keeps 'blocks.<i>.'), checked by check_step and by check_stages:
 every correct step passes; a planted bug still fails, placed by stage; names that cannot be mapped
-raise CheckStepError with the fix, on every rank."""
+raise CheckStepError with the fix, on every rank; a parameter given no gradient is named with which of
+three reasons it was (its module never ran, its output was cut off from the loss, it never used the
+parameter), measured, on both checks."""
 
 from __future__ import annotations
 
@@ -181,17 +183,27 @@ def test_a_stage_fed_another_microbatchs_kwarg_is_named_first(pool4, how):
     assert where in failure, "one first place in failure and where"
 
 
-DETACHED = """
-class Detached(Block):
+NO_GRAD = """
+class Skipped(Block):   # lin never runs
+    def forward(self, x):
+        return x + torch.tanh(self.norm(x)) * self.scale
+
+class Detached(Block):  # lin runs and uses its weight and bias, its output cut off from the loss
     def forward(self, x):
         return x + torch.tanh(self.lin(self.norm(x)).detach())
 
-def detached(how):
+class NoBias(nn.Linear):  # runs, and never uses its bias
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+def no_grad_step(bug, how):
     torch.manual_seed(0)
     full = nn.Sequential(*[Block() for _ in range(dist.get_world_size())])
     mod = copy.deepcopy(full[rank])
-    if rank == 1:
-        mod.__class__ = Detached
+    if rank == 1 and bug == "ignored":
+        mod.lin.__class__ = NoBias
+    elif rank == 1:
+        mod.__class__ = {"skipped": Skipped, "detached": Detached}[bug]
     stage = PipelineStage(mod, rank, dist.get_world_size(), device)
     losses = run_step(P.Schedule1F1B(stage, M, loss_fn=mse), [stage], X, Y)
     c = labkit.check_step(full, [stage], X, Y, losses, M, mse) if how == "step" else \\
@@ -199,15 +211,67 @@ def detached(how):
     return c.ok, c.failure or "", c.where, c.no_grad
 """
 
+NEVER_RAN = "its module never ran in the stage's forward"
+CUT_OFF = "its module ran in the stage's forward and used it, but its output was cut off from the loss"
+UNUSED = "its module ran in the stage's forward but never used it"
+WHY = {"skipped": ({"lin.weight", "lin.bias"}, NEVER_RAN),  # the parameters with no gradient, and why
+       "detached": ({"norm.weight", "norm.bias", "lin.weight", "lin.bias"}, CUT_OFF),
+       "ignored": ({"lin.bias"}, UNUSED)}
+
 
 @pytest.mark.launches
 @pytest.mark.parametrize("how", ["step", "stages"])
-def test_a_detached_output_is_named_as_cut_off_not_unused(pool2, how):
-    pool2.exec(DETACHED)
-    ok, failure, where, no_grad = pool2.exec(f"detached({how!r})")[0]
-    assert not ok and no_grad and all(n.startswith("stage 1's ") for n in no_grad), (no_grad, failure)
-    assert "its module ran in the stage's forward but its output was cut off from the loss" in failure, failure
+@pytest.mark.parametrize("bug", sorted(WHY))
+def test_a_missing_gradient_says_which_of_three_reasons(pool2, bug, how):
+    """A parameter of stage 1 gets no gradient three ways, each told apart from one forward of the stage:
+    its module skipped, its module's output detached, a Linear whose forward drops its bias."""
+    pool2.exec(NO_GRAD)
+    ok, failure, where, no_grad = pool2.exec(f"no_grad_step({bug!r}, {how!r})")[0]
+    names, why = WHY[bug]
+    assert not ok and {".".join(n.rsplit("'", 2)[1].split(".")[-2:]) for n in no_grad} == names, (no_grad, failure)
+    assert all(n.startswith("stage 1's ") for n in no_grad), no_grad
+    assert why in failure and all(w not in failure for w in {NEVER_RAN, CUT_OFF, UNUSED} - {why}), failure
+    assert failure.count("(") == failure.count(")"), failure
     assert where == failure
+
+
+def test_why_no_grad_is_measured_on_one_forward_of_the_stage():
+    """Without ranks: `what_ran` on a stage whose module skips a layer, detaches one, runs one under
+    torch.no_grad(), drops a bias or reads only a weight's dtype; and a parameter frozen on the stage."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn as nn
+
+    from labkit.check.located import what_ran, why_no_grad
+    from labkit.spans import received
+
+    class NoBias(nn.Linear):
+        def forward(self, x):
+            return nn.functional.linear(x.to(self.bias.dtype), self.weight)  # the bias's dtype only
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.skipped, self.detached, self.quiet, self.nobias = (nn.Linear(4, 4) for _ in range(4))
+            self.nobias.__class__ = NoBias
+
+        def forward(self, x):
+            with torch.no_grad():
+                q = self.quiet(x)
+            return self.nobias(x) + self.detached(x).detach() + q
+
+    mod = Stage()
+    stage = SimpleNamespace(submod=mod, stage_index=0, device="cpu")
+    setattr(stage, received.ATTR, {0: {"args": [], "kwargs": {}}})
+    ran = what_ran(stage, torch.randn(8, 4), None, 2)
+    why = {n: why_no_grad(n, p, ran) for n, p in mod.named_parameters()}
+    assert why["skipped.weight"].startswith(NEVER_RAN), why
+    assert why["detached.bias"].startswith(CUT_OFF) and why["quiet.weight"].startswith(CUT_OFF), why
+    assert why["nobias.bias"].startswith(UNUSED) and why["nobias.weight"].startswith(CUT_OFF), why
+    mod.nobias.bias.requires_grad_(False)
+    assert "requires_grad=False" in why_no_grad("nobias.bias", mod.nobias.bias, ran)
+    assert "could not tell" in why_no_grad("nobias.bias", mod.nobias.weight, None)
 
 
 @pytest.mark.launches

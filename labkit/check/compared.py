@@ -52,9 +52,9 @@ def compare_grads(c, grads: dict, refs: tuple, figures: list, no_grad: list) -> 
                 continue
             if g is None:  # named as the figures name it: the unsplit model's name
                 if ran is None or ran[0] is not s:
-                    ran = (s, located.modules_that_ran(s, c.x, c.kwargs, terms, c.chunk_dim))
+                    ran = (s, located.what_ran(s, c.x, c.kwargs, terms, c.chunk_dim))
                 own = key.split(".", 1)[1] if prefix_stage_index else key
-                no_grad.append(f"stage {s.stage_index}'s {target!r} ({located.why_no_grad(s, own, ran[1])})")
+                no_grad.append(f"stage {s.stage_index}'s {target!r} ({located.why_no_grad(own, p, ran[1])})")
                 continue
             if r is None or g.shape != r.shape:
                 worst = float("inf")

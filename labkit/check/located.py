@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .boundaries import (Cut, Departure, Recorder, _why, first_tensor, held_modules, name_map, replay_stage,
                          sentence, stage_names, stage_rename, step_loss, up64)
@@ -181,11 +182,46 @@ def compile_notes_of(per_rank: list) -> list[str]:
             for n in compile_notes(counts, fell_back_only=True)]
 
 
-def modules_that_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) -> set[str] | None:
-    """The stage module's own submodule names that run in one forward on microbatch 0's shapes (stage 0:
-    its cut of `x`; a later stage: random values of the shapes and dtypes it received in the step,
-    labkit.spans.received), under no_grad with its buffers restored after; None when it cannot be told
-    (nothing recorded, a kwarg the check was not given, a forward that fails on such values)."""
+@dataclasses.dataclass
+class Ran:
+    """What one forward of a stage module did (`what_ran`): the names of its own submodules that ran, and of
+    its parameters that an operation took and made a tensor from (read for a shape or a dtype: not used)."""
+
+    modules: set[str]
+    used: set[str]
+
+
+class _Uses(TorchFunctionMode):
+    """Every operation of a forward, seen as it runs (torch.overrides): which of `names` ({id of a tensor:
+    its parameter names}) it took as an argument, where what it returned holds a tensor."""
+
+    def __init__(self, names: dict[int, set[str]]):
+        super().__init__()
+        self.names, self.used = names, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if next(_tensors(out), None) is not None:
+            for t in _tensors((args, kwargs or {})):
+                self.used |= self.names.get(id(t), set())
+        return out
+
+
+def _tensors(v):
+    """The tensors in `v`, inside tuples (torch's named ones too), lists and dicts."""
+    if torch.is_tensor(v):
+        yield v
+    elif isinstance(v, (tuple, list, dict)):
+        for item in v.values() if isinstance(v, dict) else v:
+            yield from _tensors(item)
+
+
+def what_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) -> Ran | None:
+    """One forward of the stage module on microbatch 0's shapes (stage 0: its cut of `x`; a later stage:
+    random values of the shapes and dtypes it received in the step, labkit.spans.received), eager, under
+    no_grad, with its buffers restored after: which of its submodules ran and which of its parameters
+    they used. None when it cannot be told (nothing recorded, a kwarg the check was not given, a forward
+    that fails on such values)."""
     from ..spans import received
     from .noise import chunk_kwargs
 
@@ -208,11 +244,21 @@ def modules_that_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) 
     if any(k not in cut for k in first["kwargs"]):
         return None
     kw = {k: cut[k].to(dev) if torch.is_tensor(cut[k]) else cut[k] for k in first["kwargs"]}
-    ran: set[str] = set()
-    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: ran.add(n)) for n, m in stage.submod.named_modules()]
+    ran, names = set(), {}
+    for n, p in stage.submod.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(n)
+
+    def entered(mod, _args, n):  # the parameters as the module holds them when it runs (FSDP swaps them in)
+        for own, p in mod.named_parameters(recurse=False):
+            names.setdefault(id(p), set()).add(f"{n}.{own}" if n else own)
+
+    hooks = [h for n, m in stage.submod.named_modules() for h in (
+        m.register_forward_pre_hook(lambda mod, a, n=n: entered(mod, a, n)),
+        m.register_forward_hook(lambda mod, a, o, n=n: ran.add(n)))]
     kept = {n: b.detach().clone() for n, b in stage.submod.named_buffers()}
-    try:
-        with torch.no_grad():
+    uses = _Uses(names)
+    try:  # eager: a compiled stage's code is not compiled again for this forward (nor its counts moved)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), uses:
             stage.submod(*args, **kw)
     except Exception:  # noqa: BLE001  (values a forward does not take: not told)
         return None
@@ -223,18 +269,28 @@ def modules_that_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) 
             for n, b in stage.submod.named_buffers():
                 if n in kept:
                     b.copy_(kept[n])
-    return ran
+    return Ran(ran, uses.used)
 
 
-def why_no_grad(stage, own_name: str, ran: set[str] | None) -> str:
-    """Why a parameter the unsplit model gives a gradient got none on the stage, from whether its module
-    ran in the stage's forward (`modules_that_ran`)."""
+CUT_OFF = "a .detach(), torch.no_grad(), a value replaced after it"
+
+
+def why_no_grad(own_name: str, param: torch.Tensor, ran: Ran | None) -> str:
+    """Why a parameter the unsplit model gives a gradient got none on the stage, from one forward of the
+    stage (`what_ran`): its module never ran; it ran and used the parameter, but its output was cut off
+    from the loss; it ran and never used the parameter."""
     owner = own_name.rpartition(".")[0]
+    if not param.requires_grad:
+        return "it does not require grad on the stage (requires_grad=False there, not in the unsplit model)"
     if ran is None:
-        return "its module did not run in the stage's forward, or its output was cut off from the loss"
-    if owner in ran:
-        return ("its module ran in the stage's forward but its output was cut off from the loss (a .detach(), "
-                "torch.no_grad(), a value replaced after it)")
+        return ("its module did not run in the stage's forward, ran without using it, or its output was cut off "
+                f"from the loss ({CUT_OFF}): which, a forward on the step's shapes could not tell")
+    if own_name in ran.used:
+        who = "its module ran in the stage's forward and used it" if owner in ran.modules else \
+            "the stage's forward used it (its module never ran)"
+        return f"{who}, but its output was cut off from the loss ({CUT_OFF})"
+    if owner in ran.modules:
+        return "its module ran in the stage's forward but never used it (its forward computes without this parameter)"
     return "its module never ran in the stage's forward (a layer skipped or left out of the stage's forward)"
 
 

@@ -168,13 +168,15 @@ class Check:
     """Stage parameters that do not hold the unsplit model's values before the step (a loading or copying
     bug), each with its largest difference: reported before anything else."""
     no_grad_why: list[str] = field(default_factory=list)
-    """Why each of `no_grad` got no gradient (its module never ran in the stage's forward, or ran and its
-    output was cut off from the loss: labkit.check.located.why_no_grad), in the same order."""
+    """Why each of `no_grad` got no gradient (its module never ran in the stage's forward; it ran and used the
+    parameter but its output was cut off from the loss; it ran and never used the parameter:
+    labkit.check.located.why_no_grad), in the same order."""
 
     def __post_init__(self):
-        if self.no_grad and not self.no_grad_why:  # "stage 1's 'w' (why)", as the ranks gathered them
+        if self.no_grad and not self.no_grad_why:  # "stage 1's 'w' (why)", as the ranks gathered them: the
+            # why's own parentheses kept (it ends in one)
             named = [n.partition(" (") for n in self.no_grad]
-            self.no_grad, self.no_grad_why = [n for n, _, _ in named], [w.rstrip(")") for _, _, w in named]
+            self.no_grad, self.no_grad_why = [n for n, _, _ in named], [w.removesuffix(")") for _, _, w in named]
         # one first place: a weight loaded wrong or a parameter given no gradient is what `failure` leads
         # with, so `where` says the same (not the gradient ratios it causes)
         if not self.ok and (self.values or self.no_grad):

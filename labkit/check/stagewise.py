@@ -33,7 +33,7 @@ from .boundaries import Cut, first_tensor, step_loss
 from .compiled_floor import is_compiled, probe
 from .lean import checkpointed, copy_to, give_back, read_as_made
 from .calls import CheckStepError, _batch_problems, _loss_problems, _stage_problems
-from .located import located_stages, modules_that_ran, value_diff, why_no_grad
+from .located import located_stages, value_diff, what_ran, why_no_grad
 from .noise import NOISE_MULTIPLE, Figure, autocast_ctx, canonical, chunk_kwargs, figure, max_abs_diff, where
 from .reference import Check
 
@@ -335,8 +335,8 @@ def _compare(run: _Run, refs: dict) -> tuple[list[Figure], list[str], list[str],
             g, r = p.grad, R.grads.get((k, name))
             if g is None and r is not None:
                 if ran is None or ran[0] is not s:
-                    ran = (s, modules_that_ran(s, run.x, run.kwargs, run.n_microbatches, run.chunk_dim))
-                no_grad.append(f"stage {k}'s {name!r} ({why_no_grad(s, n, ran[1])})")
+                    ran = (s, what_ran(s, run.x, run.kwargs, run.n_microbatches, run.chunk_dim))
+                no_grad.append(f"stage {k}'s {name!r} ({why_no_grad(n, p, ran[1])})")
                 continue
             if g is None or r is None:
                 continue
