@@ -165,7 +165,7 @@ def cmd_slurm(a) -> int:
 def cmd_timeline(a) -> int:
     from .timeline.compare import load_timeline, with_pipelines
 
-    if a.compare:
+    if a.compare or a.numbers:
         return _compare(a)
     from .launching.rundir import unfinished
 
@@ -231,6 +231,11 @@ def _compare(a) -> int:
     if len(a.paths) != 2:
         raise ConfigError(f"--compare takes two runs, BEFORE then AFTER (got {len(a.paths)} paths), e.g. "
                           f"labkit timeline --compare runs/quiet runs/busy")
+    if a.numbers:  # what the two runs computed, bit for bit (labkit.timeline.runs_compare)
+        from .timeline.runs_compare import compare_numbers
+
+        print((numbers := compare_numbers(*a.paths)).text())
+        return 0 if numbers.equal else 1
     slowdown = explain_slowdown(*a.paths, source=a.source)
     print(slowdown.report())  # the verdict and how sure (as pool.compare's .text()), the table, the notes
     if a.plot:
@@ -351,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compare", action="store_true",
                    help="PATHS are two runs of one schedule, BEFORE AFTER: why AFTER's mean step is slower, by cause "
                         "(machine, compute per stage, waiting, communication, kit); --plot draws both by cause")
+    t.add_argument("--numbers", action="store_true",
+                   help="with --compare A B: whether the runs computed the same losses and stages' gradient norms "
+                        "bit for bit: steps compared, the first that differs and in what, the largest difference")
     th = sub.add_parser("theory", help="the ideal timeline of a schedule (simulated from its own action order)")
     th.add_argument("--schedule", required=True)
     th.add_argument("--pp-size", type=int, required=True)

@@ -42,6 +42,11 @@ kit's seconds in it. `labkit.spans.read` gives them per rank as `instrument_over
 `labkit.spans.idle` counts the pieces inside a gap between two actions as their own cause
 ("instrument overhead"), apart from the runtime's.
 
+What a step computed is on that line too (`_step_numbers`): the microbatches' losses the caller
+passed (`losses=`) as exact floats, and each of the schedule's stages' gradient norm in float64 (of the
+local shard under FSDP / DTensor), read after torch's step returned, under no_grad, outside any compiled
+region: `labkit timeline --compare A B --numbers` says the first step two runs differ in, bit for bit.
+
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
 directly. Read back by `labkit.spans.read`. Taught in notebook 06b.
@@ -124,7 +129,7 @@ def _patch() -> None:
         for name in ("step", "eval"):
             key = f"{obj.__name__}.{name}"
             if name in vars(obj) and key not in _PATCHED:
-                setattr(obj, name, _step_wrapper(vars(obj)[name]))
+                setattr(obj, name, _step_wrapper(vars(obj)[name], grads=name == "step"))
                 _PATCHED.add(key)
 
 
@@ -326,7 +331,9 @@ def _wait_wrapper(inner):
     return _as(inner, wrapper)
 
 
-def _step_wrapper(inner):
+def _step_wrapper(inner, grads: bool = True):
+    """A schedule's `step` (`grads`: its stages' gradient norms recorded too) or `eval`: its spans written
+    when it returns, with its numbers (`_step_numbers`) on its `end_step` line."""
     def wrapper(self, *args, **kwargs):
         t_in = _clock()
         rec = RECORDER
@@ -335,8 +342,59 @@ def _step_wrapper(inner):
         rec.begin_step(type(self).__name__)
         t_call = _clock()
         try:
-            return inner(self, *args, **kwargs)
-        finally:
+            out = inner(self, *args, **kwargs)
+        except BaseException:
             rec.end_step((t_in, t_call, _clock()))
+            raise
+        t_back = _clock()  # the numbers are read after it: the kit's bookkeeping, measured as such
+        numbers = _step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
+        rec.end_step((t_in, t_call, t_back), numbers)
+        return out
 
     return _as(inner, wrapper)
+
+
+_NUMBERS_SAID: list[str] = []
+
+
+def _step_numbers(schedule, losses, grads: bool) -> dict | None:
+    """What a step computed, for its `end_step` line (`labkit timeline --compare A B --numbers`): `losses`,
+    the microbatches' losses the caller passed in (`losses=`, on the last stage's rank) as exact floats, and
+    `grad_norms`, {stage index: the 2-norm of its gradients in float64} for each of the schedule's stages on
+    this rank whose parameters have gradients (`grad_norms_local`: under FSDP / DTensor, of this rank's shard
+    only). Read after torch's step returned, in eager code under no_grad, never inside a compiled region;
+    nothing of the user's is changed. Cost: one norm kernel per parameter and one host read per step."""
+    try:
+        import torch
+
+        from ..versions import schedule_state
+
+        if torch.compiler.is_compiling():
+            return None
+        out: dict = {}
+        with torch.no_grad():
+            if isinstance(losses, list) and losses:
+                vals = [x.detach().to_local() if hasattr(x, "to_local") else x.detach() for x in losses
+                        if isinstance(x, torch.Tensor) and x.numel() == 1]
+                if vals:  # exact: float32 and bfloat16 fit a float64, and JSON writes floats as repr
+                    out["losses"] = torch.stack([v.reshape(()).double() for v in vals]).tolist()
+            idx, norms, local = [], [], False
+            for stage in schedule_state(schedule)[1] if grads else ():
+                gs = [p.grad for p in stage.submod.parameters() if p.grad is not None]
+                if gs:
+                    local = local or any(hasattr(g, "to_local") for g in gs)
+                    gs = [g.to_local() if hasattr(g, "to_local") else g for g in gs]
+                    per = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in gs])
+                    norms.append(torch.linalg.vector_norm(per))
+                    idx.append(stage.stage_index)
+            if norms:
+                out["grad_norms"] = {str(i): v for i, v in zip(idx, torch.stack(norms).tolist())}
+                if local:
+                    out["grad_norms_local"] = True
+        return out or None
+    except Exception as e:  # noqa: BLE001  (never break the user's step over the record)
+        if not _NUMBERS_SAID:
+            _NUMBERS_SAID.append(str(e))
+            print(f"[labkit] this step's losses and gradient norms are not recorded: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        return None

@@ -155,15 +155,17 @@ class Recorder:
         if self.depth == 1 and self._on_cuda():
             self._base()
 
-    def end_step(self, times: tuple[float, float, float] | None = None) -> None:
-        """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock)."""
+    def end_step(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None) -> None:
+        """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock);
+        `numbers`: what the step computed (losses, gradient norms: `labkit.spans.record._step_numbers`)."""
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
-            self.flush(times)
+            self.flush(times, numbers)
 
-    def flush(self, times: tuple[float, float, float] | None = None) -> None:
+    def flush(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None) -> None:
         """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
-        step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it."""
+        step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it, and the
+        step's `numbers` (`end_step`)."""
         kit, calls, loose = self.kit, self.calls, self.loose
         self.kit, self.calls, self.loose = 0.0, 0, []
         if not self.buf:
@@ -217,7 +219,7 @@ class Recorder:
                 book = (t_call - t_in) + (now - t_back)
                 f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
                                     "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls,
-                                    **machine_load(self.step_cpu)}) + "\n")
+                                    **machine_load(self.step_cpu), **(numbers or {})}) + "\n")
 
     def _resolve(self, buf: list[list]) -> list[list]:
         if not any(not isinstance(x[3], float) for x in buf):

@@ -2,7 +2,8 @@
 drawings that take an `ax` (`plot`), Chrome/Perfetto export (`perfetto`), why one measurement's step
 is slower than another's, by cause (`slowdown`), where a hung or crashed run's ranks were, in pipeline
 terms, and why (`stuck`, from each rank's steps as its PP log tells them, `logged_steps`, and the causes,
-`stuck_causes`). The data model itself is `labkit.core.actions`.
+`stuck_causes`); whether two runs computed the same numbers, bit for bit (`runs_compare`). The data model
+itself is `labkit.core.actions`.
 
 May import: labkit.core, labkit.logs, labkit.spans, labkit.schedules, labkit.theory, labkit.config."""
 
