@@ -34,6 +34,7 @@ __getattr__, __dir__, __all__ = _exports(__name__, {
     ".ranks.choose": ("ChoiceTable", "measure_choices", "plot_choice"),
     ".check.reference": ("CheckStepError", "check_step"),
     ".check.stagewise": ("check_stages",),  # the check of a model no rank holds whole (its slices only)
+    ".check.watch": ("watch_run",),  # a run, not a step: its first wrong step, the optimizer's update included
     ".check.noise": ("autocast",),  # torch.autocast with its cast cache off, for bf16 steps and their check
     ".notebook.explorer": ("explorer",),
     ".": ("versions",),  # which torch this is and what it has: versions.has("WAIT actions"), versions.installed()

@@ -1,0 +1,194 @@
+"""The optimizer's update replayed: what the user's optimizer class does with the weights a step began
+from, the gradients it saw, the state it held and the hyperparameters in effect (learning rate, weight
+decay...), run again on copies, in the parameters' dtype and in float64 (the float noise of the update,
+as labkit.check.noise measures a gradient's). Used by `labkit.watch_run` (labkit.check.watch).
+
+Also the fingerprints the run watch keeps of every step between its checks: a state's or a weight's
+float64 sum and its dot with a fixed random sign vector, cheap enough for every step.
+
+May import: torch, labkit.check (noise)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .noise import NOISE_MULTIPLE, figure
+
+GROUP_SKIP = ("params",)
+
+
+def hyper(group: dict) -> dict:
+    """A param group's hyperparameters as plain values (a tensor lr read as a float), its params left out."""
+    out = {}
+    for k, v in group.items():
+        if k in GROUP_SKIP:
+            continue
+        out[k] = float(v) if torch.is_tensor(v) and v.numel() == 1 else v
+    return out
+
+
+def host_state(state: dict) -> dict:
+    """One parameter's optimizer state copied to the host (tensors cloned, the rest as is)."""
+    return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def replay(cls, groups: list[dict], weights: list[list[torch.Tensor]], grads: list[list[torch.Tensor | None]],
+           states: list[list[dict]], device, dtype: torch.dtype | None = None):
+    """One `cls.step()` on copies: group i holds `weights[i]` with `grads[i]` and `states[i]` (host
+    tensors), its hyperparameters `groups[i]` (`hyper`). `dtype`: the copies cast to it (float64, the
+    truth), with foreach and fused off (plain loops: float64 everywhere). Returns (new weights, new
+    states), per group, as device tensors."""
+    params, opt_groups = [], []
+    for h, ws, gs in zip(groups, weights, grads):
+        ps = []
+        for w, g in zip(ws, gs):
+            p = torch.nn.Parameter(w.detach().to(device, dtype or w.dtype, copy=True))
+            p.grad = None if g is None else g.detach().to(device, p.dtype, copy=True)
+            ps.append(p)
+        h = dict(h)
+        if dtype is not None:
+            h.update({k: False for k in ("foreach", "fused", "capturable") if k in h})
+            h["foreach"] = False if "foreach" in h else h.get("foreach")
+        opt_groups.append({**h, "params": ps})
+        params.append(ps)
+    opt = cls(opt_groups)
+    for ps, sts in zip(params, states):
+        for p, st in zip(ps, sts):
+            if st:
+                opt.state[p] = {k: _state_value(k, v, p) for k, v in st.items()}
+    opt.step()
+    new_states = [[{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                   for p in ps] for ps in params]
+    return [[p.detach() for p in ps] for ps in params], new_states
+
+
+def _state_value(key: str, v, p: torch.Tensor):
+    """A state entry placed as Optimizer.load_state_dict places it: a scalar `step` kept as it is (float32
+    on the host, as Adam keeps it), other floating tensors in the parameter's dtype and device."""
+    if not torch.is_tensor(v):
+        return v
+    if key == "step" and v.dim() == 0:
+        return v.clone()
+    return v.to(p.device, p.dtype if v.is_floating_point() else v.dtype, copy=True)
+
+
+def _signs(n: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234567 + n)
+    return (torch.randint(0, 2, (n,), generator=g, dtype=torch.int8).to(device, torch.float64) * 2 - 1)
+
+
+def print_of(t: torch.Tensor) -> tuple[float, float, float]:
+    """A tensor's fingerprint: its float64 sum, its dot with a fixed random sign vector, its float64 norm."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    return float(flat.sum()), float(flat @ _signs(flat.numel(), flat.device)), float(flat.norm())
+
+
+def state_print(state: dict) -> tuple:
+    """An optimizer state's fingerprint: each entry's name and its `print_of` (a number as is)."""
+    return tuple(sorted((k, print_of(v) if torch.is_tensor(v) else v) for k, v in state.items()))
+
+
+def same_print(a, b) -> bool:
+    """Two fingerprints of the same values (taken in another order on another device at most): equal
+    within float64's rounding of the sums they hold."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        if len(a) != len(b):
+            return False
+        if len(a) == 3 and all(isinstance(v, float) for v in a + b):  # (sum, signed sum, norm)
+            eps = torch.finfo(torch.float64).eps * 64 * max(abs(a[2]), abs(b[2]), 1e-300)
+            return all(abs(x - y) <= eps * max(1.0, abs(x) / max(abs(a[2]), 1e-300)) for x, y in zip(a, b))
+        return all(same_print(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    return a == b
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    return a == b
+
+
+def fit2(seen: dict, ref: dict, prev: dict, names: list[str]) -> tuple[float, float]:
+    """Least squares seen = a R + b prev over `names` (float64); (a, b)."""
+    rr = rp = pp = gr = gp = 0.0
+    for n in names:
+        g, r, p = seen.get(n), ref.get(n), prev.get(n)
+        if g is None or r is None or p is None:
+            continue
+        g, r, p = (t.detach().to("cpu", torch.float64).reshape(-1) for t in (g, r, p))
+        rr, rp, pp = rr + float(r @ r), rp + float(r @ p), pp + float(p @ p)
+        gr, gp = gr + float(g @ r), gp + float(g @ p)
+    det = rr * pp - rp * rp
+    if det <= 0:
+        return 0.0, 0.0
+    return (gr * pp - gp * rp) / det, (gp * rr - gr * rp) / det
+
+
+def judge_update(w, st, weights: dict, states: dict | None, after, dist_: dict):
+    """The update of step `st` replayed (`w`: the RunWatch): the optimizer's class, the hyperparameters in
+    effect and the state it held, in the parameters' dtype and float64, against the weights after the step."""
+    cls = getattr(st, "cls", type(w.optimizer))
+    group_of = getattr(st, "group_of", {})
+    ok, stage, what = True, None, ""
+    new_w, new_s = {}, {}
+    if not st.groups or states is None:
+        return new_w, new_s, True, None, ""
+    live_now = {n: p for ps in w.params.values() for n, p in ps} if after is None else {}
+    bad = {}
+    for k, ps in w.params.items():
+        names = [n for n, _ in ps if n in group_of]
+        by_group: dict[int, list[str]] = {}
+        for n in names:
+            by_group.setdefault(group_of[n], []).append(n)
+        gi = sorted(by_group)
+        groups = [st.groups[i] for i in gi]
+        ws = [[weights[n] for n in by_group[i]] for i in gi]
+        gs = [[st.seen.get(n) for n in by_group[i]] for i in gi]
+        ss = [[(states or {}).get(n, {}) for n in by_group[i]] for i in gi]
+        w_dt, s_dt = replay(cls, groups, ws, gs, ss, w.device)
+        w_64, _ = replay(cls, groups, ws, gs, ss, w.device, torch.float64)
+        worst = (0.0, 1.0, "", False)
+        for i, ns in zip(range(len(gi)), [by_group[i] for i in gi]):
+            for j, n in enumerate(ns):
+                new_w[n], new_s[n] = w_dt[i][j].to("cpu"), {kk: (v.to("cpu") if torch.is_tensor(v) else v)
+                                                            for kk, v in s_dt[i][j].items()}
+                if after is None:
+                    actual = live_now[n].detach()
+                    f = figure("update", n, k, actual, w_dt[i][j], w_64[i][j], 1, dtype=actual.dtype)
+                    still = bool(torch.equal(actual.cpu(), weights[n])) and not torch.equal(w_dt[i][j].cpu(),
+                                                                                          weights[n])
+                    err, floor = f.err, f.floor
+                else:  # between checks: the fingerprint the step left, against the replay's
+                    a, r, t = after.get(n), print_of(w_dt[i][j]), print_of(w_64[i][j])
+                    err = max(abs(a[0] - r[0]), abs(a[1] - r[1])) if a else float("inf")
+                    floor = max(abs(t[0] - r[0]), abs(t[1] - r[1])) + \
+                        float(torch.finfo(w_dt[i][j].dtype).eps) * r[2]
+                    still = a is not None and same_print(a, print_of(weights[n]))
+                if err / floor > worst[0] / worst[1] or not worst[2]:
+                    worst = (err, floor, n, still)
+        if worst[2]:
+            e, f0 = dist_.get(k, (0.0, 1.0))
+            if worst[0] / worst[1] > e / f0:
+                dist_[k] = (worst[0], worst[1])
+            if worst[0] > NOISE_MULTIPLE * worst[1]:
+                bad[k] = worst
+    parts = [None] * dist.get_world_size(w.group)
+    dist.all_gather_object(parts, {k: (v[0], v[1], v[2], v[3]) for k, v in bad.items()}, group=w.group)
+    bad = {k: v for p in parts for k, v in p.items()}
+    if bad:
+        ok = False
+        stage = min(bad)
+        err, floor, n, still = bad[stage]
+        if still:
+            what = (f"stage {stage}'s {n!r} was not updated by the step ({cls.__name__}.step "
+                    f"moves it: its gradient was None at the step, or it is not the optimizer's)")
+        else:
+            what = (f"the update of stage {stage}'s {n!r} is not what {cls.__name__}.step gives "
+                    f"from the weights at begin, the gradients it saw, its state and the learning rate in effect "
+                    f"({err / floor:.3g}x its floor): weights changed outside the optimizer's step, or an update "
+                    f"applied twice")
+    return new_w, new_s, ok, stage, what

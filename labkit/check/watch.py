@@ -1,0 +1,407 @@
+"""A run, not a step: `labkit.watch_run`, the first step where a training run went wrong, its optimizer included.
+
+    watch = labkit.watch_run(stages, optimizer, loss_fn, n_microbatches, full=model, every=1)
+    for step in range(n):
+        watch.begin(x, y)      # the whole batch of this step
+        ...                    # the user's own step: schedule.step, clipping, optimizer.step, lr scheduler, zero_grad
+        watch.end(losses)      # collective
+    r = watch.report           # .ok, .first_wrong_step, .stage, .failure, .steps
+
+What it holds, at each checked step (every `every` steps), re-anchored on the weights the pipeline held at
+`begin` (so earlier rounding does not compound):
+
+- the gradients the optimizer saw (read by a step pre-hook on the optimizer, after the user's clipping)
+  against the unsplit model's on the whole batch from those weights (check_step's three references and
+  floors, labkit.check.noise), up to ONE factor over every stage: clipping by the global norm (a factor
+  <= 1); a factor per stage is clipping by a stage's own norm; gradients that are the step's plus the
+  previous step's are gradients not zeroed;
+- the update: the user's optimizer class replayed (labkit.check.update) from the weights at begin, the
+  gradients it saw, its state and the hyperparameters in effect, in the parameters' dtype and in float64
+  (the floor), against what each stage's weights became.
+
+At EVERY step, from fingerprints (labkit.check.update.print_of): the optimizer's state against what the
+previous step left (lost or replaced state), the learning rate and every other hyperparameter of each param
+group the same on every stage (a scheduler stepped once more on one rank), optimizer.step called once, the
+weights unchanged between steps. Between checks the watch keeps, on the host, each step's batch and the
+gradients its optimizer saw; when a check fails it replays from the last good check (its weights and
+optimizer state kept on the host), step by step, and names the exact first wrong step.
+
+Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
+weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: `slices=`
+(models no rank holds whole), tied weights.
+
+May import: torch, labkit.check (noise, reference, calls, boundaries, update, runs), labkit.worker (shared)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import update as upd
+from .boundaries import stage_names
+from .calls import CheckStepError, _Call
+from .noise import NOISE_MULTIPLE, figure
+from .reference import _references, _references_key
+from .runs import Drift, RunReport, StepRecord, plot_run  # noqa: F401  (this API's)
+from ..worker.shared import memo, shared_work
+
+
+@dataclass
+class _Step:
+    """What the watch keeps of one step on this rank."""
+
+    step: int
+    x: object
+    y: object
+    kwargs: dict
+    w_print: dict = field(default_factory=dict)          # name -> fingerprint of the weights at begin
+    weights: dict | None = None                          # name -> host copy at begin (checked steps)
+    seen: dict = field(default_factory=dict)             # name -> host copy of the gradient the optimizer saw
+    groups: list = field(default_factory=list)           # each param group's hyperparameters at the step
+    states: dict | None = None                           # name -> host copy of the state the step used (checked)
+    s_pre: dict = field(default_factory=dict)            # name -> state fingerprint before the update
+    s_post: dict = field(default_factory=dict)           # name -> state fingerprint after it
+    after: dict = field(default_factory=dict)            # name -> fingerprint of the weights after the step
+    calls: int = 0
+    losses: list = field(default_factory=list)
+
+
+class RunWatch:
+    """The watch of one training run on this rank (`labkit.watch_run`)."""
+
+    def __init__(self, stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module | None = None, *,
+                 slices=None, every: int = 1, chunk_dim: int = 0, autocast: torch.dtype | None = None,
+                 group=None, prefix_stage_index: bool | None = None, device=None):
+        stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        problems = []
+        if full is None or slices is not None:
+            problems.append("watch_run needs full= (the unsplit model, its initial weights) on every rank; slices= "
+                            "(models no rank holds whole) is not supported yet: check single steps with "
+                            "labkit.check_stages")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            problems.append(f"every must be a whole number >= 1 (check every k-th step), got {every!r}")
+        if problems:  # from the arguments alone: the same on every rank, before any collective
+            raise CheckStepError("; ".join(problems))
+        self.stages, self.optimizer, self.loss_fn, self.n_microbatches = stages, optimizer, loss_fn, n_microbatches
+        self.every, self.chunk_dim, self.autocast, self.group = every, chunk_dim, autocast, group
+        self.device = device if device is not None else (stages[0].device if stages else "cpu")
+        if prefix_stage_index is None:
+            names = {n for n, _ in full.named_parameters()}
+            prefix_stage_index = not all(k in names for s in stages for k, _, _ in stage_names(s, False))
+        self.prefix = prefix_stage_index
+        self.params = {s.stage_index: [(name, p) for _, name, p in stage_names(s, prefix_stage_index)] for s in stages}
+        self.stage_of = {name: k for k, ps in self.params.items() for name, _ in ps}
+        self.by_id = {id(p): name for ps in self.params.values() for name, p in ps}
+        self.full = copy.deepcopy(full).to(self.device)
+        self.report = RunReport(every=every)
+        self._step: _Step | None = None
+        self._pending: list[_Step] = []   # since the last good check (its step first)
+        self._last: _Step | None = None   # the previous step (its state and weights fingerprints)
+        self._t = -1
+        # global hooks: an optimizer built again (a resume) is still seen, by the parameters it holds
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._hooks = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    # -- the user's two calls -------------------------------------------------------------------------------
+    def begin(self, x, y=None, **kwargs) -> None:
+        """Before the step: its whole batch (the model's other inputs as keywords)."""
+        self._t += 1
+        host = lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
+        st = _Step(self._t, host(x), host(y), {k: host(v) for k, v in kwargs.items()})
+        st.w_print = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
+        if self._checked(self._t):  # a check's anchor: kept on the host until the next good check
+            st.weights = {n: p.detach().to("cpu", copy=True) for ps in self.params.values() for n, p in ps}
+        self._step = st
+
+    def end(self, losses=None) -> None:
+        """After the step (after optimizer.step; zero_grad before or after it): collective, every rank."""
+        st = self._step
+        if st is None:
+            raise CheckStepError("watch.end() without watch.begin(x, y) before it in this step")
+        st.losses = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in (losses or [])]
+        st.after = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
+        done = self.report.first_wrong_step is not None
+        mine = self._cheap(st)
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        rec = self._record(st, gathered)
+        st.prev_seen = self._last.seen if self._last is not None else None
+        self._step, self._last = None, st
+        if done:
+            return
+        self._pending.append(st)
+        wrong = self._every_step(st, gathered, rec)
+        if wrong is not None or self._checked(st.step):
+            self._check(rec, upto=st.step, cheap=wrong)
+
+    def close(self) -> None:
+        """The optimizer's hooks removed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- the optimizer's hooks ------------------------------------------------------------------------------
+    def _pre(self, opt, args, kwargs) -> None:
+        st = self._step
+        if st is None or not self._mine(opt):
+            return
+        st.calls += 1
+        st.cls, self._opt = type(opt), opt
+        if st.calls > 1:
+            return
+        st.groups = [upd.hyper(g) for g in opt.param_groups]
+        st.group_of = {self.by_id[id(p)]: i for i, g in enumerate(opt.param_groups) for p in g["params"]
+                       if id(p) in self.by_id}
+        for ps in self.params.values():
+            for n, p in ps:
+                st.seen[n] = None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                state = opt.state.get(p, {})
+                st.s_pre[n] = upd.state_print(state)
+        if self._checked(st.step):
+            st.states = {n: upd.host_state(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
+
+    def _post(self, opt, args, kwargs) -> None:
+        st = self._step
+        if st is None or st.calls > 1 or not self._mine(opt):
+            return
+        st.s_post = {n: upd.state_print(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
+
+    def _mine(self, opt) -> bool:
+        return any(id(p) in self.by_id for g in opt.param_groups for p in g["params"])
+
+    # -- every step: fingerprints ---------------------------------------------------------------------------
+    def _checked(self, t: int) -> bool:
+        return t % self.every == 0
+
+    def _cheap(self, st: _Step) -> dict:
+        """This rank's evidence of the step, gathered by every rank."""
+        last = self._last
+        lost = sorted({self.stage_of[n] for n, pr in st.s_pre.items()
+                       if last is not None and last.s_post and not upd.same_print(pr, last.s_post.get(n))})
+        moved = sorted({self.stage_of[n] for n, pr in st.w_print.items()
+                        if last is not None and last.after and not upd.same_print(pr, last.after.get(n))})
+        missing = sorted({self.stage_of[n] for n in self.stage_of if st.calls and n not in getattr(st, "group_of", {})})
+        opt = getattr(self, "_opt", self.optimizer)
+        st.next_groups = [upd.hyper(g) for g in opt.param_groups]  # set for the next step (a scheduler stepped)
+        return {"stages": sorted(self.params), "calls": st.calls, "groups": st.groups, "lost": lost,
+                "next": st.next_groups,
+                "moved": moved, "missing": missing, "losses": st.losses,
+                "last": any(s.is_last for s in self.stages)}
+
+    def _record(self, st: _Step, gathered: list[dict]) -> StepRecord:
+        losses = next((g["losses"] for g in gathered if g["last"] and g["losses"]), [])
+        first = min(range(len(gathered)), key=lambda r: min(gathered[r]["stages"], default=1 << 30))
+        lr = [float(g.get("lr", float("nan"))) for g in gathered[first]["groups"]]
+        rec = StepRecord(st.step, sum(losses) / len(losses) if losses else None, lr)
+        self.report.steps.append(rec)
+        return rec
+
+    def _every_step(self, st: _Step, gathered: list[dict], rec: StepRecord) -> tuple | None:
+        """(stage, what) of the first thing the fingerprints show wrong at this step, or None."""
+        first_stage = lambda r: min(gathered[r]["stages"], default=r)  # noqa: E731
+        for r, g in enumerate(gathered):
+            if g["calls"] != 1:
+                return first_stage(r), (f"optimizer.step ran {g['calls']} times on rank {r} in this step (once "
+                                        f"expected): {'not called' if g['calls'] == 0 else 'an extra step'}")
+        for r, g in enumerate(gathered):
+            if g["missing"]:
+                return g["missing"][0], (f"a parameter of stage {g['missing'][0]} is in none of the optimizer's "
+                                         f"param groups: it is never updated")
+        for r, g in enumerate(gathered):
+            if g["lost"]:
+                return g["lost"][0], (f"the optimizer state of stage {g['lost'][0]} is not what the previous step "
+                                      f"left (lost or replaced: a state cleared, an optimizer built again, a "
+                                      f"checkpoint's state not loaded)")
+        for r, g in enumerate(gathered):
+            if g["moved"]:
+                return g["moved"][0], (f"the weights of stage {g['moved'][0]} changed between the previous step's "
+                                       f"end and this step's begin (loaded or edited outside the optimizer's step)")
+        said = self._hyper_disagree(gathered, "groups", "in effect at this step")
+        return said or self._hyper_disagree(gathered, "next", "set at the end of this step for the next")
+
+    def _hyper_disagree(self, gathered: list[dict], which: str, when: str) -> tuple | None:
+        """Each param group's hyperparameters must be the same on every stage (`which`: those in effect at the
+        step, or those set for the next one when the step ends)."""
+        n = min(len(g[which]) for g in gathered)
+        prev = self.report.steps[-2].lr if len(self.report.steps) > 1 and which == "groups" else \
+            self.report.steps[-1].lr
+        for i in range(n):
+            for key in gathered[0][which][i]:
+                vals = [g[which][i].get(key) for g in gathered]
+                if all(upd.same_value(v, vals[0]) for v in vals):
+                    continue
+                # the odd one out: the minority; on a tie, the one that moved farthest from the previous step's
+                counts = [sum(upd.same_value(v, w) for w in vals) for v in vals]
+                least = min(counts)
+                odd = [r for r, c in enumerate(counts) if c == least]
+                if len(odd) > 1 and key == "lr" and prev and i < len(prev):
+                    odd = [max(odd, key=lambda r: abs(float(vals[r]) - prev[i]))]
+                r = odd[0]
+                stage = min(gathered[r]["stages"], default=r)
+                said = ", ".join(f"stage {min(g['stages'], default=q)}: {v!r}" for q, (g, v) in
+                                 enumerate(zip(gathered, vals)))
+                kind = {"lr": "the learning rate", "weight_decay": "weight decay"}.get(key, f"the optimizer's {key!r}")
+                hint = (" (an lr scheduler stepped a different number of times on that rank)" if key == "lr" else "")
+                return stage, f"{kind} of param group {i} {when} differs between stages ({said}){hint}"
+        return None
+
+    # -- a check: re-anchored references, replayed from the last good check when it fails ----------------------
+    def _check(self, rec: StepRecord, upto: int, cheap: tuple | None) -> None:
+        """A checked step judged live, re-anchored on its own weights; when it fails (or the fingerprints
+        showed a step wrong), the steps since the last good check replayed from it, in order: the first one
+        wrong is the run's first wrong step. The same on every rank (collectives in lockstep)."""
+        pend, st = self._pending, self._pending[-1]
+        if cheap is None:
+            ok, stage, what, _, _ = self._judge(st, st.weights, st.states, after=None)
+            if ok:
+                self._mark(st.step, True, None, "")
+                self._pending = [st]  # the next anchor
+                return
+            cheap = (stage, what)  # this step's own verdict, said if no step before it was wrong
+            if len(pend) == 1:
+                self._mark(st.step, False, *cheap)
+                return
+        weights, states = pend[0].weights, pend[0].states
+        for i, s in enumerate(pend[:-1]):
+            if s.weights is not None:  # a snapshot re-anchors exactly
+                weights, states = s.weights, s.states
+            ok, stage, what, weights, states = self._judge(s, weights, states, after=pend[i + 1].w_print)
+            self._mark(s.step, ok, stage, what)
+            if not ok:
+                return
+        self._mark(st.step, False, *cheap)
+
+    def _mark(self, step: int, ok: bool, stage, what: str) -> None:
+        rec = next(r for r in self.report.steps if r.step == step)
+        rec.checked, rec.ok, rec.what = True, ok, what
+        if not ok and self.report.first_wrong_step is None:
+            self.report.first_wrong_step, self.report.stage, self.report.failure = step, stage, what
+
+    def _judge(self, st: _Step, weights: dict, states: dict | None, after):
+        """One step judged from the weights it began from: its gradients against the unsplit model's, then its
+        update against the optimizer's (`after`: the fingerprints the step left, between checks; None: the
+        stages' weights now). Returns (ok, stage, what, the next weights, the next states) (the replay's)."""
+        rec = next(r for r in self.report.steps if r.step == st.step)
+        g_ok, g_stage, g_what, dist_ = self._judge_grads(st, weights, rec)
+        new_w, new_s, u_ok, u_stage, u_what = upd.judge_update(self, st, weights, states, after, dist_)
+        rec.stages = dist_
+        stage, what = (g_stage, g_what) if not g_ok else (u_stage, u_what)
+        return g_ok and u_ok, stage, what, new_w, new_s
+
+    def _judge_grads(self, st: _Step, weights: dict, rec: StepRecord):
+        """The gradients the optimizer saw against the unsplit model's from `weights`, up to one factor."""
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, weights, group=self.group)
+        state = {n: w for part in gathered for n, w in part.items()}
+        with torch.no_grad():
+            for n, p in self.full.named_parameters():
+                if n in state:
+                    p.copy_(state[n].to(p.device, p.dtype))
+        x = st.x.to(self.device) if torch.is_tensor(st.x) else st.x
+        y = st.y.to(self.device) if torch.is_tensor(st.y) else st.y
+        kw = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in st.kwargs.items()}
+        c = _Call(self.full, self.stages, x, y, [], self.n_microbatches, self.loss_fn, None, self.prefix, None, (),
+                  None, self.device, self.chunk_dim, self.group, kw or None, {}, {}, None, self.autocast)
+        with shared_work():
+            ref, probe, truth, _ = memo(_references_key(c), lambda: _references(c))
+        # one factor over every stage: <g, R> / <R, R>, per stage and over all
+        dots = {}
+        for k, ps in self.params.items():
+            gr = rr = 0.0
+            for n, _ in ps:
+                g, r = st.seen.get(n), ref.grads.get(n)
+                if g is None or r is None:
+                    continue
+                r64 = r.detach().to("cpu", torch.float64).reshape(-1)
+                gr += float(g.to(torch.float64).reshape(-1) @ r64)
+                rr += float(r64 @ r64)
+            dots[k] = (gr, rr)
+        all_dots = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(all_dots, dots, group=self.group)
+        dots = {k: v for d in all_dots for k, v in d.items()}
+        c_all = sum(g for g, _ in dots.values()) / max(sum(r for _, r in dots.values()), 1e-300)
+        own = {k: (g / r if r > 0 else 1.0) for k, (g, r) in dots.items()}
+        prev = self._previous_seen(st)
+        mine = {}
+        for k, ps in self.params.items():
+            mine[k] = self._stage_figures(k, ps, st, ref, probe, truth, c_all, own[k], prev)
+        parts = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, mine, group=self.group)
+        found = {k: v for p in parts for k, v in p.items()}
+        if found and rec is not None:
+            rec.reference_loss = sum(ref.losses) / len(ref.losses) if ref.losses else None
+        dist_ = {k: (v["err"], v["floor"]) for k, v in found.items()}
+        bad_all = sorted(k for k, v in found.items() if not v["all_ok"])
+        if not bad_all:
+            if c_all > 1.0 and any(v["unit_bad"] for v in found.values()):
+                k = min(found)
+                return False, k, (f"every gradient is the unsplit model's times {c_all:.4g} (> 1): scaled up, not "
+                                  f"clipped (a loss or gradient scaling mistake)"), dist_
+            return True, None, "", dist_
+        own_ok = [k for k in bad_all if found[k]["own_ok"]]
+        if own_ok and len(own_ok) == len(bad_all):
+            factors = ", ".join(f"stage {k}: {own[k]:.4g}" for k in sorted(own))
+            return False, bad_all[0], (f"the gradients are the unsplit model's scaled by a different factor on each "
+                                       f"stage ({factors}): clipping by a stage's own norm; clip by the norm over "
+                                       f"every stage (one factor on all)"), dist_
+        k = next(k for k in bad_all if not found[k]["own_ok"])
+        v = found[k]
+        if v["stale"]:
+            return False, k, (f"the gradients of stage {k} hold the previous step's too: gradients not zeroed "
+                              f"(zero_grad skipped) before this step's backward"), dist_
+        return False, k, (f"the gradients of stage {k} differ from the unsplit model's beyond float noise (worst: "
+                          f"{v['worst']!r}, {v['ratio']:.3g}x its floor); check this step with labkit.check_step "
+                          f"for where"), dist_
+
+    def _previous_seen(self, st: _Step) -> dict | None:
+        return getattr(st, "prev_seen", None)
+
+    def _stage_figures(self, k, ps, st, ref, probe, truth, c_all, c_own, prev) -> dict:
+        """One stage's gradients judged: scaled by the common factor, by its own, and (failing both) as the
+        step's plus the previous step's."""
+        def judge(scale, minus=None, b=0.0):
+            worst = (0.0, 1.0, "")
+            for n, _ in ps:
+                g, r = st.seen.get(n), ref.grads.get(n)
+                if g is None or r is None:
+                    if (g is None) != (r is None):
+                        return False, (float("inf"), 1.0, n)
+                    continue
+                g = g.to(torch.float64)
+                if minus is not None and minus.get(n) is not None:
+                    g = g - b * minus[n].to(torch.float64)
+                f = figure("grad", n, k, g / scale if scale else g, r.detach().cpu(),
+                           probe.grads[n].detach().cpu() if n in probe.grads else r.detach().cpu(),
+                           self.n_microbatches, dtype=r.dtype,
+                           truth=truth.grads[n].detach().cpu() if truth and n in truth.grads else None)
+                if f.ratio > worst[0] / worst[1] or not worst[2]:
+                    worst = (f.err, f.floor, n) if f.ratio >= worst[0] / worst[1] else worst
+            return worst[0] <= NOISE_MULTIPLE * worst[1], worst
+        all_ok, w = judge(c_all if c_all <= 1.0 else 1.0)
+        unit_bad = not judge(1.0)[0] if all_ok and c_all > 1.0 else False
+        out = {"all_ok": all_ok, "err": w[0], "floor": w[1], "worst": w[2], "ratio": w[0] / w[1],
+               "own_ok": True, "stale": False, "unit_bad": unit_bad}
+        if all_ok:
+            return out
+        out["own_ok"] = judge(c_own)[0]
+        if not out["own_ok"] and prev:  # seen = a R + b prev ?
+            a, b = upd.fit2(st.seen, ref.grads, prev, [n for n, _ in ps])
+            if b > 0 and a > 0:
+                out["stale"] = judge(a, prev, b)[0]
+        return out
+
+
+
+def watch_run(stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module | None = None, *, slices=None,
+              every: int = 1, **kwargs) -> RunWatch:
+    """The run watch: call it on every rank before the loop, then `watch.begin(x, y)` and `watch.end(losses)`
+    around each step; `watch.report` names the first wrong step, its stage and what went wrong (the
+    gradients or the update), and gives each step's loss and distance from the re-anchored reference.
+    `every`: check every k-th step (the others fingerprinted; a failed check replays from the last good one,
+    so the exact step is still named). Keywords: chunk_dim, autocast, group, prefix_stage_index, device."""
+    return RunWatch(stages, optimizer, loss_fn, n_microbatches, full, slices=slices, every=every, **kwargs)
