@@ -1,6 +1,6 @@
 """What each stage's forward received and returned, per microbatch: a fingerprint of every tensor (its
 shape, dtype and three float64 sums per row along the batch dim), kept on the stage until the next
-step overwrites it. The step check (labkit.worker.inputs) holds them against the reference's cut of
+step overwrites it. The step check (labkit.check.inputs) holds them against the reference's cut of
 the whole batch: a stage that received another microbatch's activation or kwarg is then named, not
 guessed from the losses.
 
