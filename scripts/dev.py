@@ -2,6 +2,7 @@
 """Set-up and everyday commands for PP Lab, on a machine that has only python3 (3.11+) and pip.
 
     python3 scripts/dev.py lab        # create .venv from the lock, start JupyterLab on notebooks/ (127.0.0.1)
+    python3 scripts/dev.py lab --torch 2.13   # the same on another supported torch, in .venv-torch2.13
     python3 scripts/dev.py test       # same set-up, then the whole test suite (pytest + nbval notebooks), and
                                       # the reference runs, log parser and notebooks again on torch 2.11,
                                       # then what asks labkit.versions' release table, and the hang
@@ -95,21 +96,44 @@ def lab_command(venv_dir: Path) -> list[str]:
             "--ip", "127.0.0.1", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
 
 
+def lab_venv(argv: list[str]) -> tuple[Path, list[str]]:
+    """`lab --torch X.Y`: the environment of that supported release beside the lab's own (2.11: the floors
+    lock, .venv-torch2.11; 2.12-2.14: the floors lock with that torch, .venv-torch2.1X; the newest: .venv),
+    set up if needed; the other arguments go to JupyterLab."""
+    if "--torch" not in argv:
+        setup()
+        return VENV, argv
+    i = argv.index("--torch")
+    wanted = argv[i + 1] if i + 1 < len(argv) else ""
+    rest = argv[:i] + argv[i + 2:]
+    known = {minor_text(OTHER_END): other_end_leg, **{minor_text(m): (lambda m=m: middle_leg(m)) for m in MIDDLE}}
+    if wanted == minor_text(MAIN_TORCH):
+        setup()
+        return VENV, rest
+    if wanted not in known:
+        raise SetupError("read --torch", f"give one supported release: {', '.join([*known, minor_text(MAIN_TORCH)])} "
+                         f"(e.g. `python3 scripts/dev.py lab --torch 2.13`), got {wanted!r}")
+    leg = known[wanted]()
+    print(f"dev.py lab: torch {wanted} in {leg.venv.name} (beside .venv, which keeps the lab's own)", flush=True)
+    leg.build()
+    return leg.venv, rest
+
+
 def lab(argv: list[str]) -> int:
-    """`dev.py lab [--port N] [--no-browser] [any JupyterLab option]`."""
+    """`dev.py lab [--torch X.Y] [--port N] [--no-browser] [any JupyterLab option]`."""
     if any(a == "--ip" or a.startswith("--ip=") for a in argv):
         print("dev.py lab: JupyterLab listens on 127.0.0.1 only; reach a remote node with an SSH tunnel "
               "(README, 'A lab on a remote node') instead of --ip", file=sys.stderr)
         return 2
-    setup()
-    doctor = [str(vpython(VENV)), "-m", "labkit", "doctor"]
+    venv, argv = lab_venv(argv)
+    doctor = [str(vpython(venv)), "-m", "labkit", "doctor"]
     print("+ " + " ".join(doctor), flush=True)
     if subprocess.run(doctor).returncode != 0:
         raise SetupError("check the environment (labkit doctor)",
                          "fix what doctor reported above (each problem names its fix), then run the same command again",
                          doctor)
     (ROOT / "notebooks").mkdir(exist_ok=True)
-    args = lab_command(VENV)
+    args = lab_command(venv)
     if os.name == "posix" and os.geteuid() == 0:
         args.append("--allow-root")  # containers and workshop VMs often run as root; Jupyter refuses without it
     args += argv

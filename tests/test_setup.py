@@ -601,3 +601,18 @@ def test_the_middle_leg_installs_its_torch_over_the_floors_lock(monkeypatch, tmp
     assert dev.main(["setup", "--middle", "2.14"]) == 0
     assert calls == [(leg.venv, "lab-torch2.11.txt", {"keep_torch": False, "torch_spec": "torch==2.14.1",
                                                       "spec_from": "the middle release's leg of dev.py test"})], calls
+
+
+def test_lab_on_another_torch_is_one_command(monkeypatch):
+    """`dev.py lab --torch 2.13` (README: one command line for a lab on another supported release) sets up
+    that release's environment beside .venv and starts JupyterLab from it; a release outside the range is
+    refused with the ones it takes."""
+    dev = _dev_module()
+    built = []
+    monkeypatch.setattr(dev.LegSpec, "build", lambda self: built.append((self.minor, self.torch_spec)) or "x")
+    venv, rest = dev.lab_venv(["--torch", "2.13", "--port", "9999"])
+    assert venv.name == ".venv-torch2.13" and rest == ["--port", "9999"] and built == [((2, 13), "torch==2.13.0")]
+    venv, _ = dev.lab_venv(["--torch", "2.11"])
+    assert venv.name == ".venv-torch2.11" and built[-1] == ((2, 11), None)
+    with pytest.raises(dev.SetupError, match="2.11, 2.12, 2.13, 2.14, 2.15"):
+        dev.lab_venv(["--torch", "2.9"])
