@@ -147,3 +147,36 @@ def test_the_section_reader_finds_prose_and_outputs():
     found = sections([md("# T"), md("## 1. Why?\n\n**Answer:** so."), md("more"), code, md("after")])
     assert [(h, p.split()) for h, p, _ in found] == [("Why?", ["**Answer:**", "so.", "more"])]
     assert len(found[0][2]) == 4 and stored_text(code) == "a\nb\n"
+
+
+# Issue 65, item 3: the dense notebooks made light. 06b, 09b and 14 have at most MAX_SECTIONS numbered
+# sections and MAX_WORDS words of prose (markdown cells, fenced code left out); the fine print lives in the
+# docs pages they link, and every notebook links the one glossary of the check's words (docs/glossary.md).
+LIGHT = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "09b", "14")]
+MAX_SECTIONS, MAX_WORDS = 9, 3000
+FENCED = re.compile(r"```.*?```", re.DOTALL)
+
+
+def prose_words(cells: list[dict]) -> int:
+    return sum(len(FENCED.sub("", "".join(c["source"])).split()) for c in cells if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("notebook", LIGHT, ids=[p.stem for p in LIGHT])
+def test_a_dense_notebook_stays_light(notebook):
+    cells = _cells(notebook)
+    n = len(SECTION.findall("\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")))
+    assert 3 <= n <= MAX_SECTIONS, f"{notebook.name}: {n} numbered sections (at most {MAX_SECTIONS})"
+    words = prose_words(cells)
+    assert words <= MAX_WORDS, (f"{notebook.name}: {words} words of prose (at most {MAX_WORDS}): move the fine print "
+                                "to the docs page it links")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_notebook_links_the_glossary(notebook):
+    text = "\n".join("".join(c["source"]) for c in _cells(notebook) if c["cell_type"] == "markdown")
+    assert "docs/glossary.md" in text, f"{notebook.name}: no link to the glossary of the check's words (docs/glossary.md)"
+
+
+def test_prose_words_leave_code_out():
+    md = lambda s: {"cell_type": "markdown", "source": [s]}
+    assert prose_words([md("one two\n```python\nx = 1 + 2\n```\nthree"), {"cell_type": "code", "source": ["a b"]}]) == 3
