@@ -312,7 +312,7 @@ class RunWatch:
         # one factor over every stage: <g, R> / <R, R>, per stage and over all
         dots = {}
         for k, ps in self.params.items():
-            gr = rr = 0.0
+            gr = rr = fl = 0.0
             for n, _ in ps:
                 g, r = st.seen.get(n), ref.grads.get(n)
                 if g is None or r is None:
@@ -320,12 +320,15 @@ class RunWatch:
                 r64 = r.detach().to("cpu", torch.float64).reshape(-1)
                 gr += float(g.to(torch.float64).reshape(-1) @ r64)
                 rr += float(r64 @ r64)
-            dots[k] = (gr, rr)
+                fl += r.numel() * self._floor(n, k, ref, probe, truth) ** 2
+            dots[k] = (gr, rr, fl)
         all_dots = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(all_dots, dots, group=self.group)
         dots = {k: v for d in all_dots for k, v in d.items()}
-        c_all = sum(g for g, _ in dots.values()) / max(sum(r for _, r in dots.values()), 1e-300)
-        own = {k: (g / r if r > 0 else 1.0) for k, (g, r) in dots.items()}
+        c_all = sum(g for g, _, _ in dots.values()) / max(sum(r for _, r, _ in dots.values()), 1e-300)
+        own = {k: (g / r if r > 0 else 1.0) for k, (g, r, _) in dots.items()}
+        # how far float noise alone moves the fitted factor: |<N, R>| / <R, R> <= |N| / |R|, N within the floors
+        self._rel = (sum(f for _, _, f in dots.values()) / max(sum(r for _, r, _ in dots.values()), 1e-300)) ** 0.5
         prev = self._previous_seen(st)
         mine = {}
         for k, ps in self.params.items():
@@ -358,6 +361,12 @@ class RunWatch:
                           f"{v['worst']!r}, {v['ratio']:.3g}x its floor); check this step with labkit.check_step "
                           f"for where"), dist_
 
+    def _floor(self, n, k, ref, probe, truth) -> float:
+        r = ref.grads[n].detach().cpu()
+        t = truth.grads[n].detach().cpu() if truth and n in truth.grads else None
+        return figure("grad", n, k, r, r, probe.grads[n].detach().cpu() if n in probe.grads else r,
+                      self.n_microbatches, truth=t).floor
+
     def _previous_seen(self, st: _Step) -> dict | None:
         return getattr(st, "prev_seen", None)
 
@@ -379,8 +388,9 @@ class RunWatch:
                            probe.grads[n].detach().cpu() if n in probe.grads else r.detach().cpu(),
                            self.n_microbatches, dtype=r.dtype,
                            truth=truth.grads[n].detach().cpu() if truth and n in truth.grads else None)
-                if f.ratio > worst[0] / worst[1] or not worst[2]:
-                    worst = (f.err, f.floor, n) if f.ratio >= worst[0] / worst[1] else worst
+                floor = f.floor + (self._rel * f.scale if scale != 1.0 else 0.0)  # the fitted factor's own noise
+                if f.err / floor >= worst[0] / worst[1] or not worst[2]:
+                    worst = (f.err, floor, n)
             return worst[0] <= NOISE_MULTIPLE * worst[1], worst
         all_ok, w = judge(c_all if c_all <= 1.0 else 1.0)
         unit_bad = not judge(1.0)[0] if all_ok and c_all > 1.0 else False

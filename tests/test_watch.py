@@ -1,0 +1,109 @@
+"""labkit.watch_run (labkit.check.watch) on the suite's warm 2-rank pool: the small LM (labkit.models.small_lm)
+cut in two stages, 1F1B, AdamW with weight decay, a warm-up LambdaLR, clipping by the global norm. A clean run
+holds at every step; each planted bug is named at its exact step and stage (a lost optimizer state, the lr
+scheduler stepped once more on one rank, zero_grad skipped on one rank, clipping by a stage's own norm, a
+resume that does not load the optimizer's state), checked every step and every 4 steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import module_pool
+
+SETUP = """
+import copy
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+import labkit
+from labkit.models import cut_small_lm, lm_loss, small_lm
+
+def watched(bug=None, at=0, every=1, n=12, dtype=None):
+    full = small_lm()
+    mod = cut_small_lm(full, [[0, 1], [2, 3]][rank], rank == 0, rank == 1)
+    stage = PipelineStage(mod, rank, 2, device)
+    sched = Schedule1F1B(stage, 4, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1)
+    warm = lambda s: min(1.0, (s + 1) / 20)
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+    watch = labkit.watch_run([stage], opt, lm_loss, 4, full=full, every=every, autocast=dtype)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for step in range(n):
+            x, y = torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g)
+            if bug and bug.startswith("resume") and step == at:  # a checkpoint loaded into a new optimizer
+                saved = copy.deepcopy(opt.state_dict()), lrs.state_dict()
+                opt = torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1)
+                lrs = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+                if not (bug == "resume-no-state" and rank == 1):
+                    opt.load_state_dict(saved[0])
+                lrs.load_state_dict(saved[1])
+            watch.begin(x, y)
+            losses = []
+            with labkit.autocast(dtype) if dtype else torch.autocast("cpu", enabled=False):
+                sched.step(x) if rank == 0 else sched.step(target=y, losses=losses)
+            if bug == "stage-clip":
+                torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.5)
+            else:
+                sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in mod.parameters())])
+                dist.all_reduce(sq)
+                for p in mod.parameters():
+                    p.grad.mul_(min(1.0, 0.5 / (float(sq) ** 0.5 + 1e-6)))
+            if bug == "lost-state" and step == at and rank == 1:
+                opt.state.clear()
+            opt.step()
+            lrs.step()
+            if bug == "extra-lr-step" and step == at and rank == 1:
+                lrs.step()
+            if not (bug == "no-zero-grad" and step >= at - 1 and rank == 1):
+                opt.zero_grad()
+            watch.end(losses)
+    finally:
+        watch.close()
+    r = watch.report
+    return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
+"""
+
+pool = module_pool(2, SETUP)
+
+
+def _run(pool, call: str) -> tuple:
+    out = pool.exec(call)
+    assert out[0] == out[1], "every rank gets the same report"
+    return out[0]
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_clean_run_holds_at_every_step(pool, every):
+    ok, first, stage, failure, steps = _run(pool, f"watched(every={every}, n=9)")
+    assert ok and first is None and failure == "", failure
+    assert all(steps[t] for t in range(0, 9, every))
+
+
+def test_clean_run_under_bf16_autocast(pool):
+    ok, first, _, failure, _ = _run(pool, "watched(n=4, dtype=torch.bfloat16)")
+    assert ok, failure
+
+
+# each planted bug: its call, the step and stage it must be named at, words its failure must hold
+BUGS = {
+    "lost-state": ("watched('lost-state', 10, n=12)", 10, 1, "optimizer state of stage 1"),
+    "extra-lr-step": ("watched('extra-lr-step', 6, n=8)", 6, 1, "learning rate"),
+    "no-zero-grad": ("watched('no-zero-grad', 8, n=10)", 8, 1, "not zeroed"),
+    "stage-clip": ("watched('stage-clip', n=2)", 0, 0, "clipping by a stage's own norm"),
+    "no-zero-grad every 4": ("watched('no-zero-grad', 7, every=4, n=9)", 7, 1, "not zeroed"),
+    "resume every 4": ("watched('resume-no-state', 6, every=4, n=9)", 6, 1, "optimizer state of stage 1"),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_planted_bug_is_named_at_its_step_and_stage(pool, bug):
+    call, step, stage, words = BUGS[bug]
+    ok, first, where, failure, steps = _run(pool, call)
+    assert not ok and (first, where) == (step, stage), (first, where, failure)
+    assert words in failure, failure
+    assert all(s is not False for s in steps[:step]) and steps[step] is False
+
+
+def test_a_correct_resume_checked_every_4_steps_holds(pool):
+    ok, _, _, failure, _ = _run(pool, "watched('resume', 6, every=4, n=9)")
+    assert ok, failure
