@@ -22,10 +22,13 @@ parts, each ending with a verdict (pass, fail, or skipped with the reason):
 4. live ranks (`labkit.Ranks(nproc=1)`, nccl on a GPU, gloo on CPU): a small pipelined step checked
    against the unsplit model, and its spans;
 5. the memory tracker (`labkit.worker.memory.SavedTensorTracker`) against the bytes the step saves by
-   construction and, on a GPU, against `torch.cuda.max_memory_allocated`.
+   construction and, on a GPU, against `torch.cuda.max_memory_allocated`;
+6. the kit as a transparent observer: one user script with its stages compiled in place, under plain
+   torchrun and under the kit, the same dynamo counts and the same numbers bit for bit (its warm step
+   and peak device memory reported beside plain torchrun's) [gpu_checks/observer.py].
 
 Parts 1-3 are ONE torchrun job (the reference job's `--suite`: every config in turn on the same rank),
-parts 4-5 one live pool: two launches in all. Each part has a deadline; a config that hangs is stopped
+parts 4-5 one live pool, part 6 a plain torchrun job and a launch: four launches in all. Each part has a deadline; a config that hangs is stopped
 at its part's deadline (its rank's stack is dumped first) and the job is launched again for the parts
 after it, so one hang cannot eat the budget. Writes `gpu_check.json` (environment, each part's verdict,
 figures and seconds) and `report.md` to --out, after every part. Exit code 0 only if no part failed.
@@ -49,6 +52,7 @@ from gpu_checks.common import BUDGET_S, Check  # noqa: E402 (after the paths abo
 from gpu_checks.environment import default_device, environment, prepare_children  # noqa: E402
 from gpu_checks.live import memory_verdict, run_live  # noqa: E402, F401 (tests read memory_verdict here)
 from gpu_checks.spans import compare_actions, profiler_windows  # noqa: E402, F401 (and these)
+from gpu_checks.observer import run_observer  # noqa: E402
 from gpu_checks.suite import run_suite, suite_items  # noqa: E402
 
 
@@ -64,6 +68,7 @@ def main(argv=None) -> int:
     try:
         check_schedules_and_spans(check)
         check_live_ranks(check)
+        run_observer(check)
     except KeyboardInterrupt:
         check.not_run(list(check.parts), "interrupted")
         raise

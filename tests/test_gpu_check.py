@@ -84,18 +84,20 @@ def test_gpu_check_runs_bare_on_cpu_and_every_part_has_a_verdict(runs, tmp_path)
     data = json.loads((out / "gpu_check.json").read_text())
     verdicts = {p["key"]: p["verdict"] for p in data["parts"]}
     assert verdicts == {"1_schedules": "pass", "2_tutorial": "skipped", "3_spans": "pass", "4_live_ranks": "pass",
-                        "5_memory": "pass"}, data["parts"]
+                        "5_memory": "pass", "6_observer": "pass"}, data["parts"]
     assert all(p["why"] for p in data["parts"])  # every verdict says why, a skip its reason
     assert "GPU only" in next(p["why"] for p in data["parts"] if p["key"] == "2_tutorial")
     assert data["device"] == "cpu" and data["torch"] and data["ok"] is True
     assert "declared for this check" in data["rendezvous"]  # torchrun found the kit's rendezvous without an install
-    assert data["launches"]["torchrun_jobs"] == 2 and data["launches"]["processes"] == 4
+    assert data["launches"]["torchrun_jobs"] == 4 and data["launches"]["processes"] == 8
     schedules = next(p for p in data["parts"] if p["key"] == "1_schedules")["figures"]["configs"]
     assert len(schedules) == 10 and all(c["reference_match"] for c in schedules)
     spans = next(p for p in data["parts"] if p["key"] == "3_spans")["figures"]
     # the bubble gap is judged where the machine was quiet (labkit.spans.quiet); the reading is kept either way
     assert spans["machine"].endswith(("a quiet baseline: compared", "not compared")), spans
-    for line in ("1_schedules", "3_spans", "4_live_ranks", "5_memory"):  # each verdict printed as it came
+    observer = next(p for p in data["parts"] if p["key"] == "6_observer")["figures"]
+    assert observer["dynamo"]["graphs"] >= 2 and observer["dynamo"]["limit_hits"] == 0  # both stages compiled
+    for line in ("1_schedules", "3_spans", "4_live_ranks", "5_memory", "6_observer"):  # each verdict as it came
         assert f"[gpu_check] {line} (" in r.stdout
     assert "| 5_memory" in (out / "report.md").read_text()
 

@@ -1,4 +1,4 @@
-"""The kit is a transparent observer (issue 63): the same user script (tests/fixtures/observed.py: its
+"""The kit is a transparent observer (issue 63): the same user script (scripts/gpu_checks/observed.py: its
 own stages, optionally compiled, its own schedule and loop) run under plain torchrun and under the kit
 (`labkit launch`, and a live-ranks cell) gives the same dynamo graphs, recompiles and fall-backs, and
 the same losses, gradients and weights bit for bit, eager, compiled and under bf16 autocast; and a
@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import unittest.mock as mock
 from pathlib import Path
 
 import pytest
 
 from conftest import labkit_cli, module_pool
 
-SCRIPT = Path(__file__).parent / "fixtures" / "observed.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_checks" / "observed.py"
 
 pytestmark = pytest.mark.launches
 
@@ -102,12 +103,18 @@ def test_a_users_torch_logs_reach_the_ranks_merged_and_command_txt_says_what_dif
 
 
 def test_merging_torch_logs_keeps_the_users_own_setting():
-    from labkit.launching.command import kit_changes, merge_torch_logs
+    from labkit.launching.command import job_env, kit_changes, merge_torch_logs
 
     assert merge_torch_logs(None) == "+pp" and merge_torch_logs("") == "+pp"
     assert merge_torch_logs("recompiles") == "recompiles,+pp"
     assert merge_torch_logs("+dynamo, graph_breaks") == "+dynamo,graph_breaks,+pp"
     assert merge_torch_logs("-pp") == "-pp" and merge_torch_logs("recompiles,pp") == "recompiles,pp"
+    # torchrun sets OMP_NUM_THREADS=1 only for several ranks a node: one rank keeps torch's own thread count
+    # (found by the GPU check's rehearsal: a 1-rank job's numbers differed from plain torchrun's)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with mock.patch.dict(os.environ, env, clear=True):
+        assert "OMP_NUM_THREADS" not in job_env(Path("/tmp/x"), nproc=1)
+        assert job_env(Path("/tmp/x"), nproc=2)["OMP_NUM_THREADS"] == "1"
     assert kit_changes({"A": "1", "B": "2", "LABKIT_RANKS_SECRET": "s"}, {"A": "1", "B": "3"}) == [
         "B=2 (was: 3)", "LABKIT_RANKS_SECRET=<secret>"]
 

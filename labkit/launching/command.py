@@ -50,7 +50,8 @@ def torchrun_command(entry: str | os.PathLike, script_args: list[str], nproc: in
     return cmd + list(script_args)
 
 
-def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, single_node: bool = True) -> dict:
+def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, single_node: bool = True,
+            nproc: int | None = None) -> dict:
     """The ranks' environment: the launching process's, kept (a user's own variables are never replaced),
     with what the kit needs added: loopback gloo, unbuffered output and stack dumps (each only where the
     user set no value of their own), the kit's markers, the spans' boot folder first on PYTHONPATH, and
@@ -63,7 +64,8 @@ def job_env(run_dir: Path, extra: dict | None = None, pp_logs: bool = True, sing
     env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT dumps every thread's stack into the rank's stderr.log
     env[RUN_DIR_VAR] = str(run_dir.resolve())  # marks the kit's processes (labkit clean) and tells jobs where to write
     env[OWNER_VAR] = owner_token()  # who launched it: when that process dies, its ranks are orphans
-    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick anyway, without its warning
+    if nproc is None or nproc > 1:  # what torchrun sets for several ranks a node (without its warning); one rank
+        env.setdefault("OMP_NUM_THREADS", "1")  # keeps torch's own thread count there, as plain torchrun does
     # Spans (labkit.spans): the boot folder's sitecustomize records every action's two ends in any
     # rank that pipelines, a user's own script too; written to <run dir>/spans/rank<N>.jsonl.
     env[SPANS_DIR_VAR] = str((run_dir / "spans").resolve())

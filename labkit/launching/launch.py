@@ -182,7 +182,7 @@ def _prepare(spec: LaunchSpec) -> Run:
     cmd = torchrun_command(spec.entry, spec.args, spec.nproc, run_dir, spec.nnodes, spec.node_rank,
                            spec.rdzv_endpoint, spec.rdzv_id, module=spec.module)
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
-    (run_dir / "command.txt").write_text(command_text(cmd, job_env(run_dir, spec.env, spec.pp_logs, spec.single_node)))
+    (run_dir / "command.txt").write_text(command_text(cmd, job_env(run_dir, spec.env, spec.pp_logs, spec.single_node, spec.nproc)))
     (run_dir / "config.json").write_text(json.dumps(spec.config or {"script": spec.entry, "args": spec.args,
                                                                     "nproc": spec.nproc}, indent=2))
     return Run(run_dir=run_dir, command=cmd, nproc=spec.nproc)
@@ -193,7 +193,7 @@ def _start(spec: LaunchSpec, run: Run) -> subprocess.Popen:
     with open(run.run_dir / "launcher.log", "wb") as launcher_log:
         return subprocess.Popen(warm_command(run.command), stdout=launcher_log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL,
-                                env=job_env(run.run_dir, spec.env, spec.pp_logs, spec.single_node),
+                                env=job_env(run.run_dir, spec.env, spec.pp_logs, spec.single_node, spec.nproc),
                                 preexec_fn=die_with_parent)
 
 

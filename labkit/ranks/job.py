@@ -56,7 +56,7 @@ class Job:
         self.listener = channel.Listener()
         cmd = torchrun_command(RANK_MODULE, [], self.nproc, self.run_dir, module=True)
         env = job_env(self.run_dir, {**self.listener.env(), channel.DEVICE_VAR: self.device,
-                                     channel.PG_TIMEOUT_VAR: str(self.pg_timeout_s)}, pp_logs=True)
+                                     channel.PG_TIMEOUT_VAR: str(self.pg_timeout_s)}, pp_logs=True, nproc=self.nproc)
         self.command = cmd
         (self.run_dir / "command.txt").write_text(command_text(cmd, env))  # the secret is never shown
         (self.run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
