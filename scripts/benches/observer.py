@@ -45,22 +45,23 @@ USER_SCRIPT = textwrap.dedent("""
     schedule = Schedule1F1B(stage, 4, loss_fn=lm_loss)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 128, (16, 64), generator=g), torch.randint(0, 128, (16, 64), generator=g)
-    times = []
+    times, cpu = [], []
     for i in range(warm + steps):
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+        cpu.append(time.thread_time() - c)
         dist.barrier()
         times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    OBSERVED = {"steps": times[warm:], "peak": peak}
+    OBSERVED = {"steps": times[warm:], "cpu": cpu[warm:], "peak": peak}
     print(f"OBSERVED {rank} " + json.dumps(OBSERVED), flush=True)
     if own:
         dist.destroy_process_group()
 """)
 
 
-def _read(text: str) -> tuple[float, int]:
+def _read(text: str) -> tuple[float, int, float]:
     """The median warm step (rank 0's; the barriers make both ranks' alike) and the larger rank's peak."""
     got = {}
     for line in text.splitlines():
@@ -72,11 +73,13 @@ def _read(text: str) -> tuple[float, int]:
     return _figures(got)
 
 
-def _figures(got: dict) -> tuple[float, int]:
-    return statistics.median(got[0]["steps"]), max(g["peak"] for g in got.values())
+def _figures(got: dict) -> tuple[float, int, float]:
+    """The median warm step (rank 0's), the larger rank's peak, and the ranks' summed median CPU a step."""
+    return (statistics.median(got[0]["steps"]), max(g["peak"] for g in got.values()),
+            sum(statistics.median(g["cpu"]) for g in got.values()))
 
 
-def _plain(script: Path, steps: int, how: str) -> tuple[float, int]:
+def _plain(script: Path, steps: int, how: str) -> tuple[float, int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            str(steps), how]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -85,14 +88,14 @@ def _plain(script: Path, steps: int, how: str) -> tuple[float, int]:
     return _read(p.stdout)
 
 
-def _kit(script: Path, steps: int, how: str, runs: Path) -> tuple[float, int]:
+def _kit(script: Path, steps: int, how: str, runs: Path) -> tuple[float, int, float]:
     from labkit.launching.launch import launch
 
     r = launch(script, [str(steps), how], nproc=2, runs_root=runs, progress=False, stream="none")
     return _read(r.log(0, "stdout") + "\n" + r.log(1, "stdout"))
 
 
-def _warm(pool, script: Path, steps: int) -> tuple[float, int]:
+def _warm(pool, script: Path, steps: int) -> tuple[float, int, float]:
     got = pool.exec(f"import runpy, sys\nsys.argv = [{str(script)!r}, '{steps}', 'eager']\n"
                     f"runpy.run_path({str(script)!r}, run_name='__main__')['OBSERVED']\n")
     return _figures({int(r): v for r, v in got.items()})
@@ -100,7 +103,7 @@ def _warm(pool, script: Path, steps: int) -> tuple[float, int]:
 
 def _pairs(kit, plain, n: int) -> dict:
     """n pairs, each pair's order alternating: the kit's step and peak over plain torchrun's."""
-    steps, peaks = [], []
+    steps, peaks, cpus = [], [], []
     for i in range(n):
         if i % 2 == 0:
             k, p = kit(), plain()
@@ -108,7 +111,8 @@ def _pairs(kit, plain, n: int) -> dict:
             p, k = plain(), kit()
         steps.append(k[0] / p[0])
         peaks.append(k[1] / p[1])
-    return {"step": _summary(steps), "peak": _summary(peaks)}
+        cpus.append(k[2] / p[2])
+    return {"step": _summary(steps), "peak": _summary(peaks), "cpu": _summary(cpus)}
 
 
 def _summary(ratios: list[float]) -> dict:
@@ -119,7 +123,7 @@ def _busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def observer(pairs: int = 5, compiled_pairs: int = 3, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
+def observer(pairs: int = 4, compiled_pairs: int = 2, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
     """The kit's step and peak memory over plain torchrun's: launched eager and compiled, live ranks eager."""
     import labkit
 
@@ -163,16 +167,20 @@ def _observer_rows(ob: dict | None) -> list[str]:
            f"compiled){when}. The kit: `labkit launch` with every instrument at its default (spans, the input "
            "fingerprints, the pipelining logs), and live ranks (the script run in a cell). Loaded: one busy "
            "process per core beside both sides. Step: the kit's median warm step over plain torchrun's; "
-           "peak: the larger rank's peak resident memory (ru_maxrss), the kit's over plain torchrun's.")
+           "CPU: the ranks' CPU seconds in a step (each rank thread's, summed), the kit's over plain torchrun's "
+           "(what the instruments add, barely moved by the machine's load); peak: the larger rank's peak "
+           "resident memory (ru_maxrss), the kit's over plain torchrun's.")
     rows = []
     for condition in ("quiet", "loaded"):
         c = ob.get(condition)
         if not c:
             continue
         for way in ("launch eager", "launch compiled", "live ranks eager"):
-            s, p = c[way]["step"], c[way]["peak"]
+            s, p, u = c[way]["step"], c[way]["peak"], c[way].get("cpu")
+            cpu = f"{u['median']:.3f}x ({u['min']:.3f}-{u['max']:.3f})" if u else "-"
             rows.append(f"| {way} | {condition} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
-                        f"({s['min']:.3f}-{s['max']:.3f}) | {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}) |")
+                        f"({s['min']:.3f}-{s['max']:.3f}) | {cpu} | {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}) |")
     return ["", f"## {OBSERVER_HEADING}", "", how, "",
-            "| the kit | machine | step, median (range) | peak memory, median (range) |", "| --- | --- | --- | --- |",
+            "| the kit | machine | step, median (range) | CPU a step, median (range) | peak memory, median (range) |",
+            "| --- | --- | --- | --- | --- |",
             *rows]
