@@ -10,6 +10,8 @@ import pytest
 
 from conftest import module_pool
 
+pytestmark = pytest.mark.launches  # the suite's warm pool
+
 SETUP = """
 import copy
 import torch
@@ -61,6 +63,51 @@ def watched(bug=None, at=0, every=1, n=12, dtype=None):
         watch.close()
     r = watch.report
     return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
+
+def scenario(bug=None, at=0, every=1, n=20, on=1):
+    # the issue's check as a user writes it: 20 steps, zero_grad first in each step, the bug on rank `on`
+    full = small_lm()
+    mod = cut_small_lm(full, [[0, 1], [2, 3]][rank], rank == 0, rank == 1)
+    stage = PipelineStage(mod, rank, 2, device)
+    sched = Schedule1F1B(stage, 4, loss_fn=lm_loss)
+    make = lambda: torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = make()
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    watch = labkit.watch_run([stage], opt, lm_loss, 4, full=full, every=every)
+    g = torch.Generator().manual_seed(0)
+    mine = rank == on
+    try:
+        for step in range(n):
+            x, y = torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g)
+            if bug in ("resume", "resume-no-state") and step == at:  # a checkpoint loaded into a new optimizer
+                saved = copy.deepcopy(opt.state_dict()), lrs.state_dict()
+                opt = make()
+                lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+                if not (bug == "resume-no-state" and mine):
+                    opt.load_state_dict(saved[0])
+                lrs.load_state_dict(saved[1])
+            watch.begin(x, y)
+            if not (bug == "no-zero-grad" and step >= at and mine):
+                opt.zero_grad()
+            losses = []
+            sched.step(x) if rank == 0 else sched.step(target=y, losses=losses)
+            if bug == "stage-clip":
+                torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.5)
+            else:
+                sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in mod.parameters())])
+                dist.all_reduce(sq)
+                torch.nn.utils.clip_grads_with_norm_(mod.parameters(), 0.5, sq.sqrt()[0])
+            if bug == "lost-state" and step == at and mine:
+                opt.state.clear()
+            opt.step()
+            lrs.step()
+            if bug == "extra-lr-step" and step == at and mine:
+                lrs.step()
+            watch.end(losses)
+    finally:
+        watch.close()
+    r = watch.report
+    return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
 """
 
 pool = module_pool(2, SETUP)
@@ -107,3 +154,30 @@ def test_a_planted_bug_is_named_at_its_step_and_stage(pool, bug):
 def test_a_correct_resume_checked_every_4_steps_holds(pool):
     ok, _, _, failure, _ = _run(pool, "watched('resume', 6, every=4, n=9)")
     assert ok, failure
+
+
+# the issue's own check (2 ranks, 1F1B, AdamW with weight decay, a warm-up LambdaLR, clipping by the global
+# norm, 20 steps, zero_grad first in each step): each bug named at its exact step and stage
+SCENARIOS = {
+    "clean": ("scenario()", None, None, ""),
+    "clean every 4": ("scenario(every=4)", None, None, ""),
+    "lost state at 10": ("scenario('lost-state', 10)", 10, 1, "optimizer state of stage 1"),
+    "lost state at 10 on rank 0": ("scenario('lost-state', 10, on=0)", 10, 0, "optimizer state of stage 0"),
+    "extra lr step at 12": ("scenario('extra-lr-step', 12)", 12, 1, "learning rate"),
+    "no zero_grad from 8": ("scenario('no-zero-grad', 8)", 8, 1, "not zeroed"),
+    "no zero_grad from 8 every 4": ("scenario('no-zero-grad', 8, every=4)", 8, 1, "not zeroed"),
+    "stage clipping": ("scenario('stage-clip')", 0, 0, "clipping by a stage's own norm"),
+    "resume every 4": ("scenario('resume', 10, every=4)", None, None, ""),
+    "resume without state every 4": ("scenario('resume-no-state', 10, every=4)", 10, 1,
+                                     "optimizer state of stage 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCENARIOS))
+def test_the_issues_20_step_scenarios(pool, case):
+    call, step, stage, words = SCENARIOS[case]
+    ok, first, where, failure, steps = _run(pool, call)
+    assert (first, where) == (step, stage), (first, where, failure)
+    assert ok == (step is None) and words in failure, failure
+    if step is not None:
+        assert all(s is not False for s in steps[:step]) and steps[step] is False

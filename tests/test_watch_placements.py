@@ -1,0 +1,112 @@
+"""labkit.watch_run on every schedule of the suite (issue 64): clean runs of a few steps hold on 2 ranks in
+float32 (all seven schedules, one and two stages a rank), a few under bf16 autocast, and on 4 ranks, with
+AdamW (weight decay), a warm-up LambdaLR and clipping by the global norm; a rank holding two stages is
+watched stage by stage (a bug planted on one of them is named on that stage)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import module_pool
+
+pytestmark = pytest.mark.launches  # the suite's warm pools
+
+SETUP = """
+import copy
+import torch, torch.nn as nn
+import torch.distributed as dist
+import torch.distributed.pipelining as P
+import labkit
+from labkit.worker import build_schedule, run_step
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+mse = lambda o, t: ((o - t) ** 2).mean()
+M = 8  # DualPipeV wants as many microbatches as stages
+
+def placed(name, per_rank, n=3, every=1, dtype=None, bug=None, at=1):
+    cls = getattr(P, name)
+    n_stages = dist.get_world_size() * per_rank
+    torch.manual_seed(0)
+    full = nn.Sequential(*[Block() for _ in range(n_stages)])
+    model = copy.deepcopy(full)
+    stages, sched = build_schedule(cls, model, M, loss_fn=mse)
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    watch = labkit.watch_run(stages, opt, mse, M, full=full, every=every, autocast=dtype)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for step in range(n):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+            watch.begin(x, y)
+            with labkit.autocast(dtype) if dtype else torch.autocast("cpu", enabled=False):
+                losses = run_step(sched, stages, x, y)
+            sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in params)])
+            dist.all_reduce(sq)
+            for p in params:
+                p.grad.mul_(min(1.0, 0.05 / (float(sq) ** 0.5 + 1e-6)))
+            if bug is not None and step == at:
+                for s in stages:
+                    if s.stage_index == bug:
+                        s.submod.lin.weight.grad.mul_(1.01)
+            opt.step()
+            lrs.step()
+            opt.zero_grad()
+            watch.end(losses)
+    finally:
+        watch.close()
+    r = watch.report
+    return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
+"""
+
+pool2 = module_pool(2, SETUP)
+pool4 = module_pool(4, SETUP)
+
+SINGLE = ["ScheduleGPipe", "Schedule1F1B"]
+LOOPED = ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble"]
+V = ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+EVERY = [(s, 1) for s in SINGLE] + [(s, 2) for s in LOOPED + V]
+
+
+def _run(pool, call: str) -> tuple:
+    out = pool.exec(call)
+    assert all(o == out[0] for o in out.values()), f"every rank gets the same report: {out}"
+    return out[0]
+
+
+@pytest.mark.parametrize("name,per_rank", EVERY)
+def test_a_clean_run_holds_on_every_schedule_on_2_ranks(pool2, name, per_rank):
+    ok, first, stage, failure, steps = _run(pool2, f"placed({name!r}, {per_rank})")
+    assert ok and steps == [True] * 3, (first, stage, failure)
+
+
+@pytest.mark.parametrize("name,per_rank", [("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2),
+                                           ("ScheduleZBVZeroBubble", 2)])
+def test_a_clean_run_holds_under_bf16_autocast(pool2, name, per_rank):
+    ok, first, stage, failure, steps = _run(pool2, f"placed({name!r}, {per_rank}, dtype=torch.bfloat16)")
+    assert ok and steps == [True] * 3, (first, stage, failure)
+
+
+@pytest.mark.parametrize("name,per_rank", [("ScheduleGPipe", 1), ("ScheduleLoopedBFS", 2),
+                                           ("ScheduleDualPipeV", 2)])
+def test_a_clean_run_holds_on_4_ranks(pool4, name, per_rank):
+    ok, first, stage, failure, steps = _run(pool4, f"placed({name!r}, {per_rank}, every=2)")
+    assert ok and steps == [True, None, True], (first, stage, failure)
+
+
+def test_a_clean_run_holds_on_4_ranks_under_bf16_autocast(pool4):
+    ok, first, stage, failure, steps = _run(pool4, "placed('ScheduleInterleaved1F1B', 2, dtype=torch.bfloat16)")
+    assert ok and steps == [True] * 3, (first, stage, failure)
+
+
+@pytest.mark.parametrize("name", ["ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
+def test_a_bug_on_a_rank_with_two_stages_is_named_on_its_stage(pool4, name):
+    # looped: rank 1 holds stages 1 and 5; V-shaped: rank 2 holds stages 2 and 5
+    ok, first, stage, failure, steps = _run(pool4, f"placed({name!r}, 2, bug=5, at=1)")
+    assert not ok and (first, stage) == (1, 5), (first, stage, failure)
