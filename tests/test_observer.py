@@ -84,6 +84,17 @@ def test_under_the_kit_a_script_compiles_and_computes_as_under_plain_torchrun(ru
     assert sorted(p.name for p in (run_dir / "spans").glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
 
 
+def test_the_kits_memory_tracker_stays_out_of_a_compiled_stage(runs, tmp_path):
+    """The activation-memory tracker (saved-tensor hooks) goes around the stage's call of its module, never
+    inside a module compiled in place (there dynamo broke its graph at the hooks: 2 more frames a rank):
+    the same dynamo counts and numbers as plain torchrun without it, and it still counts."""
+    args = _args("module", "1F1B", 8, False)
+    plain = _plain(tmp_path / "plain", args)
+    kit, _ = _kit(runs, tmp_path / "kit", [*args, "--tracker"])
+    _same_as_plain(plain, kit, "(with the kit's memory tracker)")
+    assert all(kit[r]["tracker_peak"] > 0 for r in kit)
+
+
 def test_a_users_torch_logs_reach_the_ranks_merged_and_command_txt_says_what_differs(runs, tmp_path):
     env = {"TORCH_LOGS": "recompiles"}
     kit, run_dir = _kit(runs, tmp_path / "kit", _args("none", "1F1B", 4, False), env)

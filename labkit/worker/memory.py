@@ -119,7 +119,10 @@ def _runtime_with_order(order, pp_size: int, n_microbatches: int):
 class SavedTensorTracker:
     """Measured activation memory: the bytes autograd keeps for the backward, per stage, over a step.
 
-    Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`) go around each stage's forward:
+    Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`) go around each stage's forward, from
+    outside its module (around the stage's call of it, `labkit.versions.STAGE_MODULE_CALL`; a stand-in
+    without that call: around its module's `forward`), so a module compiled in place traces as it does
+    without the tracker (inside it, dynamo breaks its graph at the hooks; tests/test_observer.py):
     every tensor autograd saves is wrapped in a small holder, counted when it is saved and uncounted
     when autograd lets it go (after the backward that needs it: B, or W for a split backward). Bytes
     are those the saved tensors look at (`byte_range`: a view counts its part of its storage, memory
@@ -164,7 +167,7 @@ class SavedTensorTracker:
         self._fresh = True    # nothing counted since the last new_step()
         self._torch = torch
         for st in stages:
-            self._wrap(st.submod, st.stage_index)
+            self._wrap(st, st.submod, st.stage_index)
             self._hook_step(st)
 
     def _hook_step(self, stage) -> None:
@@ -196,10 +199,15 @@ class SavedTensorTracker:
         self.steps += 1
         self._fresh = True
 
-    def _wrap(self, module, stage: int) -> None:
+    def _wrap(self, holder, module, stage: int) -> None:
+        from ..versions import STAGE_MODULE_CALL
+
         torch = self._torch
         params = param_storages(module)
-        original = module.forward
+        # the stage's call of its module (outside any compiled region), else the module's own forward
+        target, name = (holder, STAGE_MODULE_CALL) if callable(getattr(holder, STAGE_MODULE_CALL, None)) else \
+            (module, "forward")
+        original = getattr(target, name)
         original = getattr(original, "_labkit_original", original)  # a previous tracker's wrapper: replaced
         tracker = self
 
@@ -221,7 +229,7 @@ class SavedTensorTracker:
                 return original(*args, **kwargs)
 
         forward._labkit_original = original
-        module.forward = forward
+        setattr(target, name, forward)
         self._held.setdefault(stage, 0)
 
     def _change(self, stage: int, storage: int, rng: tuple[int, int], delta: int, device, generation: int) -> None:
