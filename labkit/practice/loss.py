@@ -1,4 +1,4 @@
-"""Token-normalised losses and their check against the unsplit model (notebook 14, sections 1 and 2).
+"""Token-normalised losses and their check against the unsplit model (notebook 14, section 1).
 
 A pipeline computes one loss per microbatch. With `reduction="mean"` each microbatch averages over
 ITS valid tokens, and the schedule's default `scale_grads=True` then averages those means: when

@@ -1,4 +1,4 @@
-"""What a pipelined step costs beside its result (notebook 14, sections 3 and 4): bytes sent between
+"""What a pipelined step costs beside its result (notebook 14, sections 2 and 3): bytes sent between
 ranks, activation memory measured with a fresh tracker per step, warm step times.
 
 `SentBytes` counts the bytes of every send a stage posts while it is active: torch's schedules build
