@@ -182,7 +182,8 @@ def _prepare(spec: LaunchSpec) -> Run:
     cmd = torchrun_command(spec.entry, spec.args, spec.nproc, run_dir, spec.nnodes, spec.node_rank,
                            spec.rdzv_endpoint, spec.rdzv_id, module=spec.module)
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "cwd": os.getcwd()}, indent=2))
-    (run_dir / "command.txt").write_text(command_text(cmd, job_env(run_dir, spec.env, spec.pp_logs, spec.single_node, spec.nproc)))
+    env = job_env(run_dir, spec.env, spec.pp_logs, spec.single_node, spec.nproc)
+    (run_dir / "command.txt").write_text(command_text(cmd, env))
     (run_dir / "config.json").write_text(json.dumps(spec.config or {"script": spec.entry, "args": spec.args,
                                                                     "nproc": spec.nproc}, indent=2))
     return Run(run_dir=run_dir, command=cmd, nproc=spec.nproc)
