@@ -23,13 +23,14 @@ class Block(nn.Module):
     def __init__(self, d=8):
         super().__init__()
         self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+        self.scale = 1.0
     def forward(self, x):
-        return x + torch.tanh(self.lin(self.norm(x)))
+        return x + torch.tanh(self.lin(self.norm(x))) * self.scale
 
 mse = lambda o, t: ((o - t) ** 2).mean()
 M = 8  # DualPipeV wants as many microbatches as stages
 
-def placed(name, per_rank, n=3, every=1, dtype=None, bug=None, at=1):
+def placed(name, per_rank, n=3, every=1, dtype=None, bug=None, at=1, kind="grad"):
     cls = getattr(P, name)
     n_stages = dist.get_world_size() * per_rank
     torch.manual_seed(0)
@@ -45,13 +46,18 @@ def placed(name, per_rank, n=3, every=1, dtype=None, bug=None, at=1):
         for step in range(n):
             x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
             watch.begin(x, y)
+            if kind == "module" and step == at:  # the stage's own code goes wrong from this step
+                for s in stages:
+                    if s.stage_index == bug:
+                        s.submod.scale = 1.01
             with labkit.autocast(dtype) if dtype else torch.autocast("cpu", enabled=False):
-                losses = run_step(sched, stages, x, y)
+                fed = x.roll(2, 0) if kind == "input" and step == at else x  # each microbatch gets the next one's
+                losses = run_step(sched, stages, fed, y)
             sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in params)])
             dist.all_reduce(sq)
             for p in params:
                 p.grad.mul_(min(1.0, 0.05 / (float(sq) ** 0.5 + 1e-6)))
-            if bug is not None and step == at:
+            if kind == "grad" and bug is not None and step == at:
                 for s in stages:
                     if s.stage_index == bug:
                         s.submod.lin.weight.grad.mul_(1.01)
@@ -110,3 +116,21 @@ def test_a_bug_on_a_rank_with_two_stages_is_named_on_its_stage(pool4, name):
     # looped: rank 1 holds stages 1 and 5; V-shaped: rank 2 holds stages 2 and 5
     ok, first, stage, failure, steps = _run(pool4, f"placed({name!r}, 2, bug=5, at=1)")
     assert not ok and (first, stage) == (1, 5), (first, stage, failure)
+
+
+@pytest.mark.parametrize("name,per_rank,every", [("Schedule1F1B", 1, 1), ("ScheduleInterleaved1F1B", 2, 2)])
+def test_a_stage_computing_wrong_is_placed_at_its_module(pool2, name, per_rank, every):
+    # stage 1's block scales its branch by 1.01 from step 1: the watch names the step, the stage and, as
+    # check_step does, the module it departs at (every 2: found by the replay from step 0's good check)
+    ok, first, stage, failure, steps = _run(pool2, f"placed({name!r}, {per_rank}, n=3, every={every}, bug=1, "
+                                                   "kind='module')")
+    assert not ok and (first, stage) == (1, 1), (first, stage, failure)
+    assert failure.startswith("stage 1 departs at 1") or failure.startswith("stage 1's output"), failure
+    assert "differ from the unsplit model's beyond float noise" in failure, failure
+
+
+def test_a_stage_fed_the_wrong_input_is_named_with_what_it_received(pool2):
+    # at step 1 the user feeds the schedule the batch rolled by one microbatch (the watch was given the batch)
+    ok, first, stage, failure, steps = _run(pool2, "placed('Schedule1F1B', 1, n=3, bug=0, kind='input')")
+    assert not ok and (first, stage) == (1, 0), (first, stage, failure)
+    assert failure.startswith("stage 0 received"), failure

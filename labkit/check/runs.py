@@ -28,8 +28,10 @@ class StepRecord:
     and update), the ratio err/floor within NOISE_MULTIPLE when the step held."""
     reference_loss: float | None = None
     """The unsplit model's loss from the same weights (checked steps)."""
+    loss_err: float | None = None
+    """|loss - reference_loss| (checked steps, on the rank of the last stage's losses)."""
     loss_floor: float | None = None
-    """The floor of that loss (check_step's)."""
+    """The floor of that loss: check_step's figure of the mean of the microbatch losses (R against C and T)."""
     what: str = ""
 
 

@@ -11,10 +11,11 @@ What it holds, at each checked step (every `every` steps), re-anchored on the we
 `begin` (so earlier rounding does not compound):
 
 - the gradients the optimizer saw (read by a step pre-hook on the optimizer, after the user's clipping)
-  against the unsplit model's on the whole batch from those weights (check_step's three references and
-  floors, labkit.check.noise), up to ONE factor over every stage: clipping by the global norm (a factor
+  against the unsplit model's on the whole batch from those weights (labkit.check.gradients: check_step's
+  three references and floors), up to ONE factor over every stage: clipping by the global norm (a factor
   <= 1); a factor per stage is clipping by a stage's own norm; gradients that are the step's plus the
-  previous step's are gradients not zeroed;
+  previous step's are gradients not zeroed; any other failure placed as check_step places it (what a
+  stage received, the module where a stage's float64 replay departs: labkit.check.located);
 - the update: the user's optimizer class replayed (labkit.check.update) from the weights at begin, the
   gradients it saw, its state and the hyperparameters in effect, in the parameters' dtype and in float64
   (the floor), against what each stage's weights became.
@@ -30,7 +31,7 @@ Needs: the model has no randomness (dropout) the reference cannot repeat; `end` 
 weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: `slices=`
 (models no rank holds whole), tied weights.
 
-May import: torch, labkit.check (noise, reference, calls, boundaries, update, runs), labkit.worker (shared)."""
+May import: torch, labkit.check (gradients, calls, boundaries, update, runs, fits)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import gradients
 from . import update as upd
 from .boundaries import stage_names
-from .calls import CheckStepError, _Call
-from .noise import NOISE_MULTIPLE, figure
-from .reference import _references, _references_key
+from .calls import CheckStepError
 from .runs import Drift, RunReport, StepRecord, plot_run  # noqa: F401  (this API's)
-from ..worker.shared import memo, shared_work
 
 
 @dataclass
@@ -287,124 +286,11 @@ class RunWatch:
         update against the optimizer's (`after`: the fingerprints the step left, between checks; None: the
         stages' weights now). Returns (ok, stage, what, the next weights, the next states) (the replay's)."""
         rec = next(r for r in self.report.steps if r.step == st.step)
-        g_ok, g_stage, g_what, dist_ = self._judge_grads(st, weights, rec)
+        g_ok, g_stage, g_what, dist_ = gradients.judge_grads(self, st, weights, rec, live=after is None)
         new_w, new_s, u_ok, u_stage, u_what = upd.judge_update(self, st, weights, states, after, dist_)
         rec.stages = dist_
         stage, what = (g_stage, g_what) if not g_ok else (u_stage, u_what)
         return g_ok and u_ok, stage, what, new_w, new_s
-
-    def _judge_grads(self, st: _Step, weights: dict, rec: StepRecord):
-        """The gradients the optimizer saw against the unsplit model's from `weights`, up to one factor."""
-        gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, weights, group=self.group)
-        state = {n: w for part in gathered for n, w in part.items()}
-        with torch.no_grad():
-            for n, p in self.full.named_parameters():
-                if n in state:
-                    p.copy_(state[n].to(p.device, p.dtype))
-        x = st.x.to(self.device) if torch.is_tensor(st.x) else st.x
-        y = st.y.to(self.device) if torch.is_tensor(st.y) else st.y
-        kw = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in st.kwargs.items()}
-        c = _Call(self.full, self.stages, x, y, [], self.n_microbatches, self.loss_fn, None, self.prefix, None, (),
-                  None, self.device, self.chunk_dim, self.group, kw or None, {}, {}, None, self.autocast)
-        with shared_work():
-            ref, probe, truth, _ = memo(_references_key(c), lambda: _references(c))
-        # one factor over every stage: <g, R> / <R, R>, per stage and over all
-        dots = {}
-        for k, ps in self.params.items():
-            gr = rr = fl = 0.0
-            for n, _ in ps:
-                g, r = st.seen.get(n), ref.grads.get(n)
-                if g is None or r is None:
-                    continue
-                r64 = r.detach().to("cpu", torch.float64).reshape(-1)
-                gr += float(g.to(torch.float64).reshape(-1) @ r64)
-                rr += float(r64 @ r64)
-                fl += r.numel() * self._floor(n, k, ref, probe, truth) ** 2
-            dots[k] = (gr, rr, fl)
-        all_dots = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(all_dots, dots, group=self.group)
-        dots = {k: v for d in all_dots for k, v in d.items()}
-        c_all = sum(g for g, _, _ in dots.values()) / max(sum(r for _, r, _ in dots.values()), 1e-300)
-        own = {k: (g / r if r > 0 else 1.0) for k, (g, r, _) in dots.items()}
-        # how far float noise alone moves the fitted factor: |<N, R>| / <R, R> <= |N| / |R|, N within the floors
-        self._rel = (sum(f for _, _, f in dots.values()) / max(sum(r for _, r, _ in dots.values()), 1e-300)) ** 0.5
-        prev = self._previous_seen(st)
-        mine = {}
-        for k, ps in self.params.items():
-            mine[k] = self._stage_figures(k, ps, st, ref, probe, truth, c_all, own[k], prev)
-        parts = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, mine, group=self.group)
-        found = {k: v for p in parts for k, v in p.items()}
-        if found and rec is not None:
-            rec.reference_loss = sum(ref.losses) / len(ref.losses) if ref.losses else None
-        dist_ = {k: (v["err"], v["floor"]) for k, v in found.items()}
-        bad_all = sorted(k for k, v in found.items() if not v["all_ok"])
-        if not bad_all:
-            if c_all > 1.0 and any(v["unit_bad"] for v in found.values()):
-                k = min(found)
-                return False, k, (f"every gradient is the unsplit model's times {c_all:.4g} (> 1): scaled up, not "
-                                  f"clipped (a loss or gradient scaling mistake)"), dist_
-            return True, None, "", dist_
-        own_ok = [k for k in bad_all if found[k]["own_ok"]]
-        if own_ok and len(own_ok) == len(bad_all):
-            factors = ", ".join(f"stage {k}: {own[k]:.4g}" for k in sorted(own))
-            return False, bad_all[0], (f"the gradients are the unsplit model's scaled by a different factor on each "
-                                       f"stage ({factors}): clipping by a stage's own norm; clip by the norm over "
-                                       f"every stage (one factor on all)"), dist_
-        k = next(k for k in bad_all if not found[k]["own_ok"])
-        v = found[k]
-        if v["stale"]:
-            return False, k, (f"the gradients of stage {k} hold the previous step's too: gradients not zeroed "
-                              f"(zero_grad skipped) before this step's backward"), dist_
-        return False, k, (f"the gradients of stage {k} differ from the unsplit model's beyond float noise (worst: "
-                          f"{v['worst']!r}, {v['ratio']:.3g}x its floor); check this step with labkit.check_step "
-                          f"for where"), dist_
-
-    def _floor(self, n, k, ref, probe, truth) -> float:
-        r = ref.grads[n].detach().cpu()
-        t = truth.grads[n].detach().cpu() if truth and n in truth.grads else None
-        return figure("grad", n, k, r, r, probe.grads[n].detach().cpu() if n in probe.grads else r,
-                      self.n_microbatches, truth=t).floor
-
-    def _previous_seen(self, st: _Step) -> dict | None:
-        return getattr(st, "prev_seen", None)
-
-    def _stage_figures(self, k, ps, st, ref, probe, truth, c_all, c_own, prev) -> dict:
-        """One stage's gradients judged: scaled by the common factor, by its own, and (failing both) as the
-        step's plus the previous step's."""
-        def judge(scale, minus=None, b=0.0):
-            worst = (0.0, 1.0, "")
-            for n, _ in ps:
-                g, r = st.seen.get(n), ref.grads.get(n)
-                if g is None or r is None:
-                    if (g is None) != (r is None):
-                        return False, (float("inf"), 1.0, n)
-                    continue
-                g = g.to(torch.float64)
-                if minus is not None and minus.get(n) is not None:
-                    g = g - b * minus[n].to(torch.float64)
-                f = figure("grad", n, k, g / scale if scale else g, r.detach().cpu(),
-                           probe.grads[n].detach().cpu() if n in probe.grads else r.detach().cpu(),
-                           self.n_microbatches, dtype=r.dtype,
-                           truth=truth.grads[n].detach().cpu() if truth and n in truth.grads else None)
-                floor = f.floor + (self._rel * f.scale if scale != 1.0 else 0.0)  # the fitted factor's own noise
-                if f.err / floor >= worst[0] / worst[1] or not worst[2]:
-                    worst = (f.err, floor, n)
-            return worst[0] <= NOISE_MULTIPLE * worst[1], worst
-        all_ok, w = judge(c_all if c_all <= 1.0 else 1.0)
-        unit_bad = not judge(1.0)[0] if all_ok and c_all > 1.0 else False
-        out = {"all_ok": all_ok, "err": w[0], "floor": w[1], "worst": w[2], "ratio": w[0] / w[1],
-               "own_ok": True, "stale": False, "unit_bad": unit_bad}
-        if all_ok:
-            return out
-        out["own_ok"] = judge(c_own)[0]
-        if not out["own_ok"] and prev:  # seen = a R + b prev ?
-            a, b = upd.fit2(st.seen, ref.grads, prev, [n for n, _ in ps])
-            if b > 0 and a > 0:
-                out["stale"] = judge(a, prev, b)[0]
-        return out
-
 
 
 def watch_run(stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module | None = None, *, slices=None,
