@@ -111,6 +111,7 @@ UNIT_SECONDS = {  # {unit: its tests' seconds in leg 1 of a full run on 2 worker
     "notebooks/13_schedule_search.ipynb": 90,
     "tests/test_launch.py": 80,
     "notebooks/14_pipelining_in_practice.ipynb": 70,
+    "notebooks/09c_training_drift.ipynb": 70,
     "tests/test_fidelity.py": 70,
     "notebooks/07_inference.ipynb": 60,
     "tests/test_gpu_check.py": 60,

@@ -74,7 +74,7 @@ def test_the_opening_check_stops_at_prerequisites_and_details():
 # of prose before its first code cell (fine print goes after the demonstration, or into a <details>
 # block); each code cell's stored text is at most OUTPUT_LINES lines of at most OUTPUT_WIDTH characters
 # (`labkit.notebook.wrapped` wraps the kit's long sentences).
-ANSWERED = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "11", "14")]
+ANSWERED = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "09c", "11", "14")]
 ANSWER_LINES, OUTPUT_LINES, OUTPUT_WIDTH = 12, 20, 160
 SECTION = re.compile(r"^## +\d+\. +(.*)$", re.MULTILINE)
 DETAILS = re.compile(r"<details\b.*?</details>", re.DOTALL)
@@ -152,7 +152,7 @@ def test_the_section_reader_finds_prose_and_outputs():
 # Issue 65, item 3: the dense notebooks made light. 06b, 09b and 14 have at most MAX_SECTIONS numbered
 # sections and MAX_WORDS words of prose (markdown cells, fenced code left out); the fine print lives in the
 # docs pages they link, and every notebook links the one glossary of the check's words (docs/glossary.md).
-LIGHT = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "09b", "14")]
+LIGHT = [p for p in NOTEBOOKS if p.stem.split("_")[0] in ("06b", "09b", "09c", "14")]
 MAX_SECTIONS, MAX_WORDS = 9, 3000
 FENCED = re.compile(r"```.*?```", re.DOTALL)
 
