@@ -306,7 +306,9 @@ def test_a_replay_too_large_for_a_rank_is_said_not_killed(pool2):
     needs and how to place the bug, instead of an out-of-memory kill."""
     code = """
 import labkit.check.fits as fits
-_free, fits.free_bytes = fits.free_bytes, lambda device: 1_000   # a rank with 1 kB free
+# a rank with 3 kB free: room for check_stages' own need (1.8 kB here, refused up front below it), not for a
+# stage's float64 replay beside its slice (5.5 kB and activations)
+_free, fits.free_bytes = fits.free_bytes, lambda device: 3_000
 try:
     said = case("Schedule1F1B", 1, True, "stages", bug=1)
 finally:

@@ -69,6 +69,28 @@ def placed(name, per_rank, n=3, every=1, dtype=None, bug=None, at=1, kind="grad"
         watch.close()
     r = watch.report
     return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
+
+def one_step_of_check_stages():
+    torch.manual_seed(0)
+    full = nn.Sequential(*[Block() for _ in range(dist.get_world_size())])
+    stages, sched = build_schedule(P.Schedule1F1B, copy.deepcopy(full), M, loss_fn=mse)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    losses = run_step(sched, stages, x, y)
+    slices = {int(s.stage_index): copy.deepcopy(full[int(s.stage_index)]) for s in stages}
+    return labkit.check_stages(slices, stages, x, y, losses, M, mse).ok
+
+def refused(call, on=1):
+    import labkit.check.fits as fits
+    free = fits.free_bytes
+    if rank == on:
+        fits.free_bytes = lambda device: 1_000   # a rank with 1 kB free
+    try:
+        said = repr(eval(call))
+    except labkit.CheckStepError as e:
+        said = str(e)
+    finally:
+        fits.free_bytes = free
+    return said
 """
 
 pool2 = module_pool(2, SETUP)
@@ -134,3 +156,18 @@ def test_a_stage_fed_the_wrong_input_is_named_with_what_it_received(pool2):
     ok, first, stage, failure, steps = _run(pool2, "placed('Schedule1F1B', 1, n=3, bug=0, kind='input')")
     assert not ok and (first, stage) == (1, 0), (first, stage, failure)
     assert failure.startswith("stage 0 received"), failure
+
+
+@pytest.mark.parametrize("call,words", [
+    ("placed('Schedule1F1B', 1, n=1)", "watch_run needs at least"),
+    ("one_step_of_check_stages()", "check_stages needs at least"),
+])
+def test_what_cannot_fit_on_a_rank_is_refused_on_every_rank_before_it_starts(pool2, call, words):
+    """Rank 1 alone has 1 kB free: every rank raises the same CheckStepError with the estimate, before any
+    collective of the check that could wait (the pool is not restarted), and the same call then runs."""
+    out = pool2.exec(f"refused({call!r})")
+    assert out[0] == out[1], out
+    assert out[0].startswith(("watch_run cannot watch this run", "check_stages cannot compare")), out[0]
+    assert f"rank 1: {words}" in out[0] and "KiB" in out[0] and "it has 1.0 KiB available" in out[0], out[0]
+    again = pool2.exec(call)
+    assert again[0] == again[1] and (again[0] is True or again[0][0] is True), again

@@ -9,6 +9,13 @@ before any activation (the estimate is a lower bound; the check says so). Free: 
 memory on a GPU (torch.cuda.mem_get_info), else MemAvailable of /proc/meminfo shared by the ranks of this
 machine (LOCAL_WORLD_SIZE: every rank runs its check at once).
 
+`check_stages` holds, beyond the slices the user built, one reference's gradients of them at a time (C's sums)
+and R's as it makes them, and T's float64 copy of one module with its gradients (float32 for a 16-bit step):
+`stages_need_bytes`, refused up front by `stages_too_large` as check_step is. `labkit.watch_run` holds check_step's
+references and its own copy of the unsplit model on the device, and on the host each checked step's anchor
+(the rank's weights and optimizer state) and the gradients of every step since it (`every` of them):
+`watch_too_large`, said before the run starts.
+
 A failed check_stages places the bug by replaying each stage in float64 beside its slice
 (labkit.check.boundaries): `replay_too_large` says before a replay starts when it cannot fit, and the
 verdict then stands without the module named, never an out-of-memory kill.
@@ -80,3 +87,70 @@ def replay_too_large(modules: list, activation, device) -> str:
             f"slice, their gradients and every module's activations, and it has {size(free)} available: "
             "the verdict stands; to place the bug by module, check a smaller configuration of the same code (fewer "
             "layers a stage, a shorter batch) where it shows too")
+
+
+def _size(n: int) -> str:
+    if n < 2 ** 20:
+        return f"{n / 2 ** 10:.1f} KiB"
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def _where(device) -> str:
+    return "free on its GPU" if torch.device(device).type == "cuda" else "available to it (this machine's " \
+        "available memory over its ranks)"
+
+
+def stages_need_bytes(slices: dict, sixteen: bool = False) -> int:
+    """check_stages' bytes on a rank beyond its `slices` ({stage: module}), activations aside (a lower bound):
+    two gradients of every slice in its own dtype (C's sums, R's as made), and T's copy of the largest module
+    that holds parameters directly, with its gradients (8 + 8 bytes an element; 4 + 4 for a 16-bit step)."""
+    params = [p for m in slices.values() for p in m.parameters() if p.is_floating_point()]
+    own = sum(p.numel() * p.element_size() for p in params)
+    block = max((sum(p.numel() for p in m.parameters(recurse=False) if p.is_floating_point())
+                 for sl in slices.values() for m in sl.modules()), default=0)
+    return 2 * own + block * (8 if sixteen else 16)
+
+
+def stages_too_large(slices: dict, device, sixteen: bool = False) -> str:
+    """'' when check_stages fits beside the slices on this rank; else why not, with the estimate."""
+    need, free = stages_need_bytes(slices, sixteen), free_bytes(device)
+    if free is None or need <= free:
+        return ""
+    held = sum(p.numel() * p.element_size() for m in slices.values() for p in m.parameters())
+    return (f"check_stages needs at least {_size(need)} on this rank beside its slices (which hold {_size(held)}: "
+            f"two gradients of them and a float64 copy of one module, before activations) and it has "
+            f"{_size(free)} {_where(device)}: spread the model over more ranks (fewer layers a stage), or check a "
+            f"smaller configuration of the same code")
+
+
+def watch_need_bytes(full: torch.nn.Module, own: list, every: int, state_per_param: int = 2) -> tuple[int, int]:
+    """The run watch's bytes on a rank (a lower bound, activations aside): (on the device: check_step's
+    references and the watch's copy of the unsplit model `full`; on the host: for this rank's parameters
+    `own`, the anchor's weights and optimizer state (`state_per_param` tensors a parameter: Adam's two
+    moments) and the gradients of every step since it, `every`, and of the step before)."""
+    mine = sum(p.numel() * p.element_size() for p in own if p.is_floating_point())
+    copy = sum(p.numel() * p.element_size() for p in full.parameters())
+    return need_bytes(full) + copy, mine * (1 + state_per_param + every + 1)
+
+
+def watch_too_large(full: torch.nn.Module, own: list, every: int, device, state_per_param: int = 2) -> str:
+    """'' when the run watch fits on this rank; else why not, with its estimate (the host's part counted
+    against the host's memory; on the CPU both against the same)."""
+    dev, host = watch_need_bytes(full, own, every, state_per_param)
+    on_gpu = torch.device(device).type == "cuda"
+    free_dev, free_host = free_bytes(device), free_bytes("cpu")
+    said = []
+    if on_gpu and free_dev is not None and dev > free_dev:
+        said.append(f"{_size(dev)} on its GPU (check_step's references and a copy of the unsplit model) and it has "
+                    f"{_size(free_dev)} free")
+    need_host = host if on_gpu else dev + host
+    if free_host is not None and need_host > free_host:
+        refs = "" if on_gpu else "the references and a copy of the unsplit model, and "
+        said.append(f"{_size(need_host)} of host memory ({refs}each checked step's weights and optimizer state and "
+                    f"the gradients of the {every} steps since it, kept on the host) and it has {_size(free_host)} "
+                    f"{_where('cpu')}")
+    if not said:
+        return ""
+    return (f"watch_run needs at least {' and '.join(said)}: watch a smaller configuration of the same code, "
+            f"check fewer steps at once (every=1 keeps one step's gradients), or check single steps with "
+            f"labkit.check_stages")

@@ -19,7 +19,7 @@ made; T's backward a microbatch's piece of the batch at a time where a layer tre
 labkit.check.pieces) and the whole-batch activations at its own cuts. Taught in notebook 09b; measured in
 bench/RESULTS.md.
 
-May import: torch, labkit.check (noise, calls, boundaries, compiled_floor, lean, located, reference's Check)."""
+May import: torch, labkit.check (noise, calls, boundaries, compiled_floor, fits, lean, located, reference's Check)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import fits
 from .boundaries import Cut, first_tensor, step_loss
 from .compiled_floor import is_compiled, probe
 from .lean import checkpointed, copy_to, give_back, read_as_made
@@ -144,7 +145,8 @@ def _agree(run: _Run) -> None:
               "chunks": sorted({int(c) for s in run.stages if (c := getattr(s, "chunks", None)) is not None}),
               "n_losses": len(run.losses), "has_output": False, "n_extra": 0,
               "batch": tuple(run.y.shape) if torch.is_tensor(run.y) else None, "slices": _slice_problems(run),
-              "compiled": any(is_compiled(s.submod) for s in run.stages), "sixteen": _sixteen(run)}
+              "compiled": any(is_compiled(s.submod) for s in run.stages), "sixteen": _sixteen(run),
+              "too_large": fits.stages_too_large(run.slices, run.device, _sixteen(run))}
     reports = [None] * dist.get_world_size(run.group)
     dist.all_gather_object(reports, report, group=run.group)
     ranks = [dist.get_global_rank(run.group, r) if run.group is not None else r for r in range(len(reports))]
@@ -155,6 +157,7 @@ def _agree(run: _Run) -> None:
                                 run.loss_fn, run.chunk_dim)
     problems += _stage_problems(reports, ranks, run.group)
     problems += _loss_problems(reports, ranks, run.n_microbatches, run.loss_fn)
+    problems += [f"rank {ranks[r]}: {rep['too_large']}" for r, rep in enumerate(reports) if rep["too_large"]][:1]
     if problems:
         raise CheckStepError("check_stages cannot compare this step (the same on every rank of the pipeline):\n"
                              + "\n".join(f"  - {p}" for p in dict.fromkeys(problems)))

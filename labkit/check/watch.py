@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import gradients
+from . import fits, gradients
 from . import update as upd
 from .boundaries import stage_names
 from .calls import CheckStepError
@@ -85,6 +85,7 @@ class RunWatch:
             problems.append(f"every must be a whole number >= 1 (check every k-th step), got {every!r}")
         if problems:  # from the arguments alone: the same on every rank, before any collective
             raise CheckStepError("; ".join(problems))
+        self._fits(full, stages, optimizer, every, group, device)
         self.stages, self.optimizer, self.loss_fn, self.n_microbatches = stages, optimizer, loss_fn, n_microbatches
         self.every, self.chunk_dim, self.autocast, self.group = every, chunk_dim, autocast, group
         self.device = device if device is not None else (stages[0].device if stages else "cpu")
@@ -105,6 +106,21 @@ class RunWatch:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._hooks = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def _fits(self, full, stages, optimizer, every: int, group, device) -> None:
+        """Refused up front, as check_step refuses, when the watch cannot fit on a rank (labkit.check.fits): every
+        rank's estimate gathered by one collective, the same CheckStepError on every rank."""
+        own = [p for s in stages for p in s.submod.parameters()]
+        n_state = max((len([v for v in st.values() if torch.is_tensor(v) and v.dim()])
+                       for st in optimizer.state.values()), default=2)  # Adam's two moments before the first step
+        dev = device if device is not None else (stages[0].device if stages else "cpu")
+        mine = fits.watch_too_large(full, own, every, dev, n_state)
+        said = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, mine, group=group)
+        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(said))]
+        first = next((f"rank {ranks[r]}: {s}" for r, s in enumerate(said) if s), "")
+        if first:
+            raise CheckStepError("watch_run cannot watch this run (the same on every rank of the pipeline): " + first)
 
     # -- the user's two calls -------------------------------------------------------------------------------
     def begin(self, x, y=None, **kwargs) -> None:
@@ -295,9 +311,11 @@ class RunWatch:
 
 def watch_run(stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module | None = None, *, slices=None,
               every: int = 1, **kwargs) -> RunWatch:
-    """The run watch: call it on every rank before the loop, then `watch.begin(x, y)` and `watch.end(losses)`
-    around each step; `watch.report` names the first wrong step, its stage and what went wrong (the
+    """The run watch (collective): call it on every rank before the loop, then `watch.begin(x, y)` and
+    `watch.end(losses)` around each step; `watch.report` names the first wrong step, its stage and what went wrong (the
     gradients or the update), and gives each step's loss and distance from the re-anchored reference.
     `every`: check every k-th step (the others fingerprinted; a failed check replays from the last good one,
-    so the exact step is still named). Keywords: chunk_dim, autocast, group, prefix_stage_index, device."""
+    so the exact step is still named). Keywords: chunk_dim, autocast, group, prefix_stage_index, device.
+    A run the watch cannot fit on a rank (its references, its host snapshots: labkit.check.fits) is refused
+    up front with the estimate, the same CheckStepError on every rank."""
     return RunWatch(stages, optimizer, loss_fn, n_microbatches, full, slices=slices, every=every, **kwargs)

@@ -1,0 +1,41 @@
+"""What the run watch and check_stages need on a rank, estimated before they start (labkit.check.fits), on a
+957M-parameter model built on the meta device (no memory): the estimates in bytes a parameter, and the sentence
+a rank with too little memory gets."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from labkit.check import fits
+
+
+def _big(n_layers=57, dim=4096):
+    with torch.device("meta"):  # 57 x (4096 x 4096 + 4096) = 957M parameters, no memory
+        return nn.Sequential(*[nn.Linear(dim, dim) for _ in range(n_layers)])
+
+
+def test_the_estimates_in_bytes_a_parameter():
+    full = _big()
+    n = sum(p.numel() for p in full.parameters())
+    assert 950e6 < n < 960e6
+    per_layer = 4096 * 4096 + 4096
+    own = list(full[:28].parameters())  # a rank holding half of it
+    dev, host = fits.watch_need_bytes(full, own, every=10)
+    assert dev == n * (3 * 4 + 16) + n * 4  # check_step's references and the watch's copy of the model
+    assert host == 28 * per_layer * 4 * (1 + 2 + 10 + 1)  # the anchor's weights, Adam's two moments, 11 gradients
+    slices = {0: full[:28]}
+    assert fits.stages_need_bytes(slices) == 2 * 28 * per_layer * 4 + per_layer * 16
+    assert fits.stages_need_bytes(slices, sixteen=True) == 2 * 28 * per_layer * 4 + per_layer * 8
+
+
+def test_a_rank_without_room_gets_the_estimate(monkeypatch):
+    monkeypatch.setattr(fits, "free_bytes", lambda device: 8 * 2 ** 30)  # 8 GiB available
+    full = _big()
+    said = fits.watch_too_large(full, list(full[:28].parameters()), 10, "cpu")
+    assert said.startswith("watch_run needs at least ") and "GiB of host memory" in said, said
+    assert "it has 8.00 GiB available" in said, said
+    monkeypatch.setattr(fits, "free_bytes", lambda device: 2 * 2 ** 30)
+    assert fits.stages_too_large({0: full[:28]}, "cpu").startswith("check_stages needs at least 3.75 GiB")
+    monkeypatch.setattr(fits, "free_bytes", lambda device: None)  # unknown: nothing refused
+    assert fits.watch_too_large(full, [], 1, "cpu") == "" and fits.stages_too_large({0: full}, "cpu") == ""
