@@ -106,7 +106,7 @@ def scenario(bug=None, at=0, every=1, n=20, on=1):
             watch.end(losses)
     finally:
         watch.close()
-    r = watch.report
+    r = globals()["LAST"] = watch.report
     return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
 """
 
@@ -181,3 +181,13 @@ def test_the_issues_20_step_scenarios(pool, case):
     assert ok == (step is None) and words in failure, failure
     if step is not None:
         assert all(s is not False for s in steps[:step]) and steps[step] is False
+
+
+def test_each_checked_step_carries_its_loss_floor_and_stage_distances(pool):
+    _run(pool, "scenario(n=4)")
+    steps = _run(pool, "[(s.loss, s.reference_loss, s.loss_err, s.loss_floor, s.stages) for s in LAST.steps]")
+    for loss, ref, err, floor, stages in steps:
+        assert floor > 0 and err <= 2 * floor and abs(loss - ref) == err, (loss, ref, err, floor)
+        assert sorted(stages) == [0, 1] and all(e <= 2 * f for e, f in stages.values()), stages
+    said = _run(pool, "LAST.drift([s.loss for s in LAST.steps]).text")
+    assert said.startswith("noise: every step held") and "within its loss floor" in said, said

@@ -39,3 +39,20 @@ def test_a_rank_without_room_gets_the_estimate(monkeypatch):
     assert fits.stages_too_large({0: full[:28]}, "cpu").startswith("check_stages needs at least 3.75 GiB")
     monkeypatch.setattr(fits, "free_bytes", lambda device: None)  # unknown: nothing refused
     assert fits.watch_too_large(full, [], 1, "cpu") == "" and fits.stages_too_large({0: full}, "cpu") == ""
+
+
+def test_drift_noise_or_the_first_step_beyond_its_floor():
+    from labkit.check.runs import RunReport, StepRecord
+
+    r = RunReport(steps=[StepRecord(t, 2.0 - 0.01 * t, [1e-3], checked=True, ok=True, loss_floor=1e-6)
+                         for t in range(60)])
+    single = [2.0 - 0.01 * t + (1e-7 if t < 50 else 1e-4) for t in range(60)]  # apart from step 50
+    d = r.drift(single)
+    assert d.noise and d.first_step is None and d.beyond == 50 and d.floors == [1e-6] * 60
+    assert d.text.startswith("noise: every step held within its floor (60 checked, every 1)"), d.text
+    assert "part from the single-device run's at step 50" in d.text, d.text
+    assert r.drift([2.0 - 0.01 * t for t in range(60)]).beyond is None
+    r.first_wrong_step, r.stage, r.failure = 37, 1, "the update of stage 1's 'w' is not what AdamW.step gives"
+    d = r.drift(single)
+    assert not d.noise and d.first_step == 37 and d.text.startswith("step 37 is the first beyond its floor (stage 1)")
+    assert "at the first step" in r.drift([3.0] * 60).text

@@ -45,6 +45,11 @@ class Drift:
     drift: list[float]
     """|pipeline loss - single-device loss| per step (empty without single-device losses)."""
     text: str
+    floors: list[float | None] = field(default_factory=list)
+    """Each step's loss floor (check_step's, re-anchored; None where the step was not checked)."""
+    beyond: int | None = None
+    """The first step whose drift from the single-device run is beyond NOISE_MULTIPLE x its loss floor: where
+    the two runs part by more than one step's rounding (float noise compounded, when every step held)."""
 
 
 @dataclass
@@ -60,20 +65,33 @@ class RunReport:
         return self.first_wrong_step is None
 
     def drift(self, single_device_losses: list[float] | None = None) -> Drift:
-        """"My losses drift after 50 steps": float noise (every step held within its floor, each re-anchored
-        on the pipeline's own weights, so the gap to a single-device run is rounding compounded) or the first
-        step beyond it, with what went wrong there."""
-        drift = [abs(s.loss - float(o)) for s, o in zip(self.steps, single_device_losses or [])
-                 if s.loss is not None]
+        """"My losses drift after 50 steps", in one call: float noise (every step held within its floor, each
+        re-anchored on the pipeline's own weights, so the gap to a single-device run is rounding compounded) or
+        the first step beyond it, with what went wrong there. With the single-device run's losses, each step's
+        drift from them is held against that step's loss floor (`beyond`: where the runs part by more than one
+        step's rounding; a gap at step 0 says the two runs did not start from the same weights and batch)."""
+        pairs = [(s, float(o)) for s, o in zip(self.steps, single_device_losses or []) if s.loss is not None]
+        drift = [abs(s.loss - o) for s, o in pairs]
+        floors = [s.loss_floor for s, _ in pairs]
+        beyond = next((s.step for (s, _), d in zip(pairs, drift)
+                       if s.loss_floor is not None and d > NOISE_MULTIPLE * s.loss_floor), None)
         checked = sum(1 for s in self.steps if s.checked)
+        parted = ""
+        if pairs:
+            parted = ("; every step's drift from the single-device run is within its loss floor" if beyond is None
+                      else f"; the losses part from the single-device run's at step {beyond} (beyond "
+                           f"{NOISE_MULTIPLE:g}x that step's loss floor)")
+            if beyond == pairs[0][0].step:
+                parted += ": at the first step, so the two runs did not start from the same weights or batch"
         if self.ok:
             big = max(range(len(drift)), key=drift.__getitem__, default=None)
-            said = (f"; the losses drift up to {drift[big]:.3g} from the single-device run's (step {big}), float noise "
-                    f"compounded over the steps") if big is not None else ""
+            said = (f"; the losses drift up to {drift[big]:.3g} from the single-device run's (step "
+                    f"{pairs[big][0].step}), float noise compounded over the steps") if big is not None else ""
             return Drift(True, None, drift, f"noise: every step held within its floor ({checked} checked, every "
-                                             f"{self.every}){said}")
+                                             f"{self.every}){said}{parted}", floors, beyond)
         return Drift(False, self.first_wrong_step, drift,
-                     f"step {self.first_wrong_step} is the first beyond its floor (stage {self.stage}): {self.failure}")
+                     f"step {self.first_wrong_step} is the first beyond its floor (stage {self.stage}): {self.failure}"
+                     f"{parted}", floors, beyond)
 
     def plot(self, ax, single_device_losses=None):
         """The run's losses, each checked step's worst stage ratio (right axis: err / floor, the limit
