@@ -305,3 +305,15 @@ def test_the_observer_rows_say_each_way_and_condition():
     assert "| launch eager | quiet (load 0.3-0.5) | 1.010x (0.970-1.040) | 1.010x (0.970-1.040) | 0.640x" in "\n".join(
         bench._observer_rows(ob))
     assert "| live ranks eager | loaded (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
+
+
+def test_the_watch_rows_say_the_cost_and_the_step_named():
+    """RESULTS.md's section of the run watch: the clean run's ratio (median and range of its pairs) and the
+    step the watch named for the bug."""
+    w = {"pairs": 3, "steps": 100, "every": 10, "bug_at": 37, "model": "m", "plain_s": 21.04, "watched_s": 35.2,
+         "ratio": {"median": 1.67, "min": 1.6, "max": 1.71, "ratios": [1.6, 1.67, 1.71]}, "clean_ok": True,
+         "bug": {"named_step": 37, "stage": 1, "failure": "...", "ranks_agree": True}}
+    text = "\n".join(bench._watch_rows(w))
+    assert f"## {bench.WATCH_HEADING}" in text
+    assert "| clean, every 10 | 21.0 s | 35.2 s | 1.67x (1.60-1.71) | holds at every step |" in text, text
+    assert "| bug at step 37 | - | - | - | named step 37, stage 1 |" in text and bench._watch_rows(None) == []

@@ -11,7 +11,11 @@
   replayed in float64 on the reference's input at its cut, the sentence that says it), and why a
   parameter got no gradient;
 - `stagewise`: `check_stages`, the check of a model no rank holds whole (public at the top:
-  `labkit.check_stages`), in less memory by `lean` and `pieces`.
+  `labkit.check_stages`), in less memory by `lean` and `pieces`;
+- `watch`: `watch_run`, a training run watched step after step (public at the top: `labkit.watch_run`), its
+  first wrong step named with its stage; `gradients`: a checked step's gradients against the re-anchored
+  references; `update`: the optimizer's update replayed, and the fingerprints kept between checks; `runs`:
+  the watch's report (each step's loss, distances and floors, `drift`, `plot_run`).
 
 Runs inside the ranks (a job's, or live ranks' cells). Taught in notebook 09b.
 

@@ -73,9 +73,21 @@ def _state_value(key: str, v, p: torch.Tensor):
     return v.to(p.device, p.dtype if v.is_floating_point() else v.dtype, copy=True)
 
 
+SIGNS_CACHED = 1 << 22
+"""Sign vectors up to this many elements are kept (one per size and device: the run watch fingerprints every
+parameter and state tensor at every step, and a model has few distinct sizes); larger ones are drawn again."""
+_SIGNS: dict = {}
+
+
 def _signs(n: int, device) -> torch.Tensor:
+    key = (n, str(device))
+    if key in _SIGNS:
+        return _SIGNS[key]
     g = torch.Generator().manual_seed(1234567 + n)
-    return (torch.randint(0, 2, (n,), generator=g, dtype=torch.int8).to(device, torch.float64) * 2 - 1)
+    v = torch.randint(0, 2, (n,), generator=g, dtype=torch.int8).to(device, torch.float64) * 2 - 1
+    if n <= SIGNS_CACHED:
+        _SIGNS[key] = v
+    return v
 
 
 def print_of(t: torch.Tensor) -> tuple[float, float, float]:

@@ -11,6 +11,7 @@ from .check_cost import _check_cost_rows
 from .check_scale import _check_scale_rows
 from .as_launched import _as_launched_rows
 from .observer import _observer_rows
+from .watch import _watch_rows
 from .live import NOTEBOOKS_BEFORE_LIVE_RANKS_S
 from .paper import _paper_rows
 from .warm import _warm_rows, _warm_section
@@ -104,6 +105,7 @@ def markdown(res: dict) -> str:
     lines += _check_scale_rows(res.get("check_scale"))
     lines += _as_launched_rows(res.get("as_launched"))
     lines += _observer_rows(res.get("observer"))
+    lines += _watch_rows(res.get("watch"))
     lines += _warm_section(res.get("warm_start"))
     return "\n".join(lines) + "\n"
 
