@@ -300,11 +300,11 @@ def test_the_observer_rows_say_each_way_and_condition():
           "loaded": {**row, "load": [2.1, 2.4]}}
     text = "\n".join(bench._observer_rows(ob))
     assert f"## {bench.OBSERVER_HEADING}" in text
-    assert "| launch compiled | quiet (load 0.3-0.5) | 1.010x (0.970-1.040) | - | 0.640x (0.630-0.660) |" in text
+    assert "| launch compiled | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | - | 0.640x (0.630-0.660) |" in text
     row["launch eager"]["cpu"] = s
-    assert "| launch eager | quiet (load 0.3-0.5) | 1.010x (0.970-1.040) | 1.010x (0.970-1.040) | 0.640x" in "\n".join(
+    assert "| launch eager | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | 1.010x (0.970-1.040) | 0.640x" in "\n".join(
         bench._observer_rows(ob))
-    assert "| live ranks eager | loaded (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
+    assert "| live ranks eager | a busy loop a core (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
 
 
 def test_the_watch_rows_say_the_cost_and_the_step_named():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,11 +64,8 @@ USER_SCRIPT = textwrap.dedent("""
 
 def _read(text: str) -> tuple[float, int, float]:
     """The median warm step (rank 0's; the barriers make both ranks' alike) and the larger rank's peak."""
-    got = {}
-    for line in text.splitlines():
-        if "OBSERVED " in line:
-            _, rank, data = line[line.index("OBSERVED "):].split(" ", 2)
-            got[int(rank)] = json.loads(data)
+    # both ranks of plain torchrun write to one pipe: their lines may run into each other
+    got = {int(rank): json.loads(data) for rank, data in re.findall(r"OBSERVED (\d+) (\{[^{}]*\})", text)}
     if sorted(got) != [0, 1]:
         raise RuntimeError(f"the script's figures were not printed by both ranks:\n{text[-2000:]}")
     return _figures(got)
@@ -166,19 +164,19 @@ def _observer_rows(ob: dict | None) -> list[str]:
            f"interleaved pairs, each pair's order alternating ({ob['pairs']} pairs a row, {ob['compiled_pairs']} "
            f"compiled){when}. The kit: `labkit launch` with every instrument at its default (spans, the input "
            "fingerprints, the pipelining logs), and live ranks (the script run in a cell). Loaded: one busy "
-           "process per core beside both sides. Step: the kit's median warm step over plain torchrun's; "
+           "process per core beside both sides (\"no busy loop\" is only as quiet as its load says). Step: the kit's median warm step over plain torchrun's; "
            "CPU: the ranks' CPU seconds in a step (each rank thread's, summed), the kit's over plain torchrun's "
            "(what the instruments add, barely moved by the machine's load); peak: the larger rank's peak "
            "resident memory (ru_maxrss), the kit's over plain torchrun's.")
     rows = []
-    for condition in ("quiet", "loaded"):
+    for condition, label in (("quiet", "no busy loop"), ("loaded", "a busy loop a core")):
         c = ob.get(condition)
         if not c:
             continue
         for way in ("launch eager", "launch compiled", "live ranks eager"):
             s, p, u = c[way]["step"], c[way]["peak"], c[way].get("cpu")
             cpu = f"{u['median']:.3f}x ({u['min']:.3f}-{u['max']:.3f})" if u else "-"
-            rows.append(f"| {way} | {condition} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
+            rows.append(f"| {way} | {label} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
                         f"({s['min']:.3f}-{s['max']:.3f}) | {cpu} | {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}) |")
     return ["", f"## {OBSERVER_HEADING}", "", how, "",
             "| the kit | machine | step, median (range) | CPU a step, median (range) | peak memory, median (range) |",
