@@ -114,15 +114,22 @@ RELEASE_FACTS = {f.name: f for f in (
          {(2, 11): {None: "fails", False: "fails"}, (2, 12): {None: "fails", False: "fails"},
           (2, 13): {None: "runs", False: "runs"}, (2, 14): {None: "runs", False: "runs"},
           (2, 15): {None: "fails: donated buffers", False: "runs"}}),
+    Fact("compiled module recompiles after its first step",
+         "Notebook 14, section 6: each rank's stage module (a user's residual Linear-GELU-Linear block) compiled "
+         "in place with aot_eager, Schedule1F1B at 8 microbatches, 3 steps on live ranks: whether dynamo "
+         "compiles it once more after its first step (True: 2 graphs and 1 recompile a rank) or once only "
+         "(False). torch's own guard, the same under plain torchrun (tests/test_observer.py holds the kit's "
+         "counts against plain torchrun's on every leg). Measured by running the notebook on each release.",
+         {(2, 11): True, (2, 12): False, (2, 13): False, (2, 14): False, (2, 15): False}),
     Fact("compiled stage falls back in its first warm round",
          "Notebook 14, section 5: Schedule1F1B on its MLP (2 stages, 4 microbatches), the stage wrapped by "
          "torch.compile (inductor), checked once, then 3 rounds of 8 warm steps: whether dynamo recompiles "
          "during the first warm round until its recompile limit and runs the stage eagerly from then on "
          "(True), or compiles nothing after the first step (False); that stage only, not every model or "
-         "microbatch count. Measured by running the notebook on each release; 2.13 and 2.14 measured again "
-         "after issue 63 (the kit no longer hooks the stage's module), where both had read True before; "
-         "2.11 and 2.12 not yet measured again (their values date from before issue 63).",
-         {(2, 11): True, (2, 12): True, (2, 13): False, (2, 14): False, (2, 15): False}),
+         "microbatch count. Measured by running the notebook on each release, again after issue 63 (the kit "
+         "no longer hooks the stage's module, nor its activation tracker its forward): the MLP's blocks count "
+         "their calls in a Python Counter, a side effect dynamo guards on until its limit on 2.11 to 2.14.",
+         {(2, 11): True, (2, 12): True, (2, 13): True, (2, 14): True, (2, 15): False}),
     Fact("eval() breaks the next step",
          "Notebook 14, section 8: schedule.eval(x) on fresh stages, then schedule.step() on the same stages "
          "(2 ranks; 1F1B with 2 stages, the others with 4): the schedules whose step then fails. Measured by "
