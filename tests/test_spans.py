@@ -224,3 +224,46 @@ def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
 def tl_busy(out, rank):
     tl = one_step(timeline_from_spans(out))
     return tl.metrics()["busy"][str(rank)]
+
+
+def test_a_span_line_is_what_json_writes_for_it():
+    """The recorder writes each span's line by hand (a few microseconds a span fewer): byte for byte what
+    json.dumps of its fields gives, for every optional field and odd floats."""
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(500):
+        host = rnd.random() < 0.8
+        t = rnd.uniform(0, 2e9)
+        pieces = [[rnd.uniform(0, 2e9), rnd.uniform(0, 2e9)] for _ in range(rnd.choice([0, 0, 1, 3]))]
+        cpu = rnd.choice([(), ((rnd.random(), None), (rnd.random(), None)),
+                          ((rnd.random(), rnd.random() * 1e-3), (rnd.random(), rnd.random()))])
+        row = [rnd.choice(["F", "B", "W", "SEND", "WAIT"]), rnd.randint(-1, 7), rnd.choice([-1, 0, 3, 12]), t,
+               t + rnd.expovariate(100), rnd.choice(["", "recv", "send", "both", "?"]),
+               rnd.choice([0.0, rnd.random() * 1e-5]), rnd.choice([0.0, 1e-9 * rnd.random()]), pieces, cpu]
+        kind, stage, mb, s, e, what, pre, post, pieces, cpu = row
+        want = {"rank": 3, "step": 11, "kind": kind, "stage": stage, "mb": mb, "start": round(s, 7), "end": round(e, 7)}
+        if what:
+            want["what"] = what
+        if host and (pre or post):
+            want["pre"], want["post"] = round(pre, 9), round(post, 9)
+        if host and pieces:
+            want["kit"] = [[round(a, 7), round(b, 7)] for a, b in pieces]
+        if host and cpu:
+            want["cpu"] = [round(cpu[0][0], 7), round(cpu[1][0], 7)]
+            if cpu[0][1] is not None:
+                want["rq"] = [round(cpu[0][1], 7), round(cpu[1][1], 7)]
+        assert recorder_mod._line(3, 11, host, *row) == json.dumps(want) + "\n"
+
+
+def test_the_gradient_norm_in_flat_pieces_is_the_norm_of_the_per_parameter_norms(monkeypatch):
+    """_step_numbers' norm (flat pieces, float64) against the float64 norm of each parameter's norm, with
+    pieces cut by size and by dtype."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) for n in (5, 300, 1, 4096, 77)] + [torch.randn(9, 9, generator=g).bfloat16()]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64) for x in grads]))
+    for piece in (1 << 22, 300, 1):
+        monkeypatch.setattr(rec_mod, "_PIECE", piece)
+        got = rec_mod._norm64(grads)
+        assert got.dtype == torch.float64 and float(got) == pytest.approx(float(want), rel=1e-13)
+    assert float(rec_mod._norm64([grads[1]])) == float(torch.linalg.vector_norm(grads[1], dtype=torch.float64))

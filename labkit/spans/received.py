@@ -25,28 +25,27 @@ _CHUNK = "_labkit_chunk"   # on a PipelineStage: the microbatch its forward is r
 def fingerprint(v):
     """A tensor's shape and dtype and, per row along dim 0, its sum, its sum of squares and a sum weighted
     by position (which moves when values move within a row), in float64 on its device; a non-tensor's
-    repr (short)."""
+    repr (short). No autograd: the tensor is detached, so nothing is recorded in the step's graph."""
     import torch
 
     if not torch.is_tensor(v):
         return ("value", repr(v)[:80])
-    with torch.no_grad():
-        t = v.detach()
-        rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
-        rows = rows.to(torch.float64)
-        sums = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, dim=1).square(),
-                            torch.mv(rows, _weights(rows.shape[1], rows.device))], dim=1)
-    return ("tensor", tuple(t.shape), str(t.dtype).replace("torch.", ""), sums)
+    t = v.detach()
+    shape = t.shape
+    rows = (t.reshape(shape[0], -1) if shape else t.reshape(1, 1)).to(torch.float64)
+    sums = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, dim=1).square(),
+                        torch.mv(rows, _weights(rows.shape[1], rows.device))], dim=1)
+    return ("tensor", tuple(shape), str(t.dtype)[6:], sums)
 
 
 _WEIGHTS: dict = {}  # {(row length, device): cos(0..n-1) in float64}: made once per shape, not per forward
 
 
 def _weights(n: int, device):
-    import torch
-
     w = _WEIGHTS.get((n, device))
     if w is None:
+        import torch
+
         if len(_WEIGHTS) > 64:  # a model whose shapes keep changing: never grow without bound
             _WEIGHTS.clear()
         w = _WEIGHTS[(n, device)] = torch.cos(torch.arange(n, device=device, dtype=torch.float64))
@@ -78,12 +77,15 @@ def before(stage, args, kwargs) -> None:
 
 
 def after(stage, out) -> None:
-    """Called with what the stage's module returned: fingerprints its (first) output, once per forward."""
+    """Called with what the stage's module returned: fingerprints its (first) output, once per forward (not
+    on the last stage: its output is sent to no stage)."""
     import torch
 
     mb = getattr(stage, _CHUNK, None)
     got = (getattr(stage, ATTR, None) or {}).get(mb)
-    if got is not None and got["out"] is None:
+    # the last stage's output goes to no stage (the check holds a stage's input against what the one before
+    # it sent): not fingerprinted, as no check reads it
+    if got is not None and got["out"] is None and not getattr(stage, "is_last", False):
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         got["out"] = fingerprint(first) if torch.is_tensor(first) else None
     setattr(stage, _CHUNK, None)
