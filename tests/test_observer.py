@@ -104,6 +104,9 @@ def test_a_users_torch_logs_reach_the_ranks_merged_and_command_txt_says_what_dif
     assert lines[-1].startswith(sys.executable) and "-m torch.distributed.run" in lines[-1]
     assert "#   env: TORCH_LOGS=recompiles,+pp (was: recompiles)" in lines
     assert any(line.startswith("#   launcher: python -m labkit.launching.warm") for line in lines)
+    # what the boot folder's sitecustomize does in each rank is said too (instruments, the collector's pause)
+    assert any(line.startswith("#   in each rank: the kit's sitecustomize") and "LABKIT_GC_PAUSE=0" in line
+               for line in lines)
     # every variable the kit's ranks saw that plain torchrun's did not, or saw with another value, is
     # named in command.txt
     plain = _plain(tmp_path / "plain", _args("none", "1F1B", 4, False), env)

@@ -108,13 +108,20 @@ def kit_changes(env: dict, base: dict | None = None) -> list[str]:
 def command_text(cmd: list[str], env: dict, warm: bool = True, base: dict | None = None) -> str:
     """command.txt: the plain torchrun command (one line, to copy), after comment lines that say exactly
     how the kit's processes differ from what that command alone would start: the environment added or
-    changed, variable by variable, and, when `warm`, that the launcher ran as `labkit.launching.warm`
-    (torchrun's own agent, its ranks forks of a process that had imported torch)."""
+    changed, variable by variable, when `warm`, that the launcher ran as `labkit.launching.warm` (torchrun's own
+    agent, its ranks forks of a process that had imported torch), and, where the spans' boot folder is on the
+    ranks' path, what its sitecustomize does in each rank."""
     lines = ["# The plain torchrun command below runs the same script with the same arguments. The kit's ranks",
              "# differed from what it alone starts in these ways, and no other:"]
     if warm:
         lines.append("#   launcher: python -m labkit.launching.warm (torchrun's own agent and arguments; each rank a "
                      "fork of a process that had imported torch; LABKIT_START_METHOD=spawn starts them fresh)")
+    if env.get(SPANS_DIR_VAR) and str(BOOT_DIR) in env.get("PYTHONPATH", "").split(os.pathsep):
+        lines.append("#   in each rank: the kit's sitecustomize (the PYTHONPATH folder below) wraps torch's pipelining "
+                     "stage and schedule methods to record spans, inputs' fingerprints and each step's losses and "
+                     "gradient norms (labkit.spans.record; LABKIT_SPANS=0 turns them off), and runs torch's imports "
+                     "with Python's collector paused, freezing what they made (labkit.core.startup; "
+                     "LABKIT_GC_PAUSE=0 turns it off)")
     changes = kit_changes(env, base)
     lines += [f"#   env: {c}" for c in changes] or ["#   env: nothing added or changed"]
     return "\n".join(lines) + "\n" + shlex.join(cmd) + "\n"
