@@ -1,14 +1,13 @@
 """What each stage's forward received and returned, per microbatch: a fingerprint of every tensor (its
-shape, dtype and three float64 sums per row along the batch dim), kept on the stage until the next
+shape, dtype and three weighted float64 sums per row along the batch dim), kept on the stage until the next
 step overwrites it. The step check (labkit.check.inputs) holds them against the reference's cut of
 the whole batch: a stage that received another microbatch's activation or kwarg is then named, not
 guessed from the losses.
 
-A fingerprint costs one float64 copy and three reductions over each input and the output of a forward
-(the copy freed at once, no host sync: the sums stay on the tensor's device until the check reads them):
-about 0.1 ms for a 4 x 64 x 128 activation on one CPU core, under 1% of the bench LM's forward and
-backward of that microbatch (scripts/benches/observer.py measures the whole kit against plain
-torchrun). `labkit.spans.record`
+A fingerprint costs one float64 copy and one matrix product over each input of a forward and the output
+of every stage but the last (the copy freed at once, no host sync: the sums stay on the tensor's device
+until the check reads them); scripts/benches/observer.py measures the whole kit against plain torchrun.
+`labkit.spans.record`
 calls `begin` from its wrapper of `forward_one_chunk`, in every process the kit starts (jobs, live
 ranks), and `before` / `after` from its wrapper of the stage's call of its module
 (`labkit.versions.stage_module_call`): no hook is put on the user's module, so none is traced into a
@@ -23,9 +22,11 @@ _CHUNK = "_labkit_chunk"   # on a PipelineStage: the microbatch its forward is r
 
 
 def fingerprint(v):
-    """A tensor's shape and dtype and, per row along dim 0, its sum, its sum of squares and a sum weighted
-    by position (which moves when values move within a row), in float64 on its device; a non-tensor's
-    repr (short). No autograd: the tensor is detached, so nothing is recorded in the step's graph."""
+    """A tensor's shape and dtype and, per row along dim 0, three weighted sums of its values in float64 on
+    its device: plain (weights 1), and weighted by cos(k) and sin(k) of the position k (these move when
+    values move within a row); a non-tensor's repr (short). One float64 copy and one matrix product: few
+    ops, as it runs in every forward. Two fingerprints are compared only with each other (`same` in
+    labkit.check.inputs), never read as figures. No autograd: the tensor is detached."""
     import torch
 
     if not torch.is_tensor(v):
@@ -33,12 +34,10 @@ def fingerprint(v):
     t = v.detach()
     shape = t.shape
     rows = (t.reshape(shape[0], -1) if shape else t.reshape(1, 1)).to(torch.float64)
-    sums = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, dim=1).square(),
-                        torch.mv(rows, _weights(rows.shape[1], rows.device))], dim=1)
-    return ("tensor", tuple(shape), str(t.dtype)[6:], sums)
+    return ("tensor", tuple(shape), str(t.dtype)[6:], torch.mm(rows, _weights(rows.shape[1], rows.device)))
 
 
-_WEIGHTS: dict = {}  # {(row length, device): cos(0..n-1) in float64}: made once per shape, not per forward
+_WEIGHTS: dict = {}  # {(row length, device): (n, 3) float64 weights}: made once per shape, not per forward
 
 
 def _weights(n: int, device):
@@ -48,7 +47,8 @@ def _weights(n: int, device):
 
         if len(_WEIGHTS) > 64:  # a model whose shapes keep changing: never grow without bound
             _WEIGHTS.clear()
-        w = _WEIGHTS[(n, device)] = torch.cos(torch.arange(n, device=device, dtype=torch.float64))
+        k = torch.arange(n, device=device, dtype=torch.float64)
+        w = _WEIGHTS[(n, device)] = torch.stack([torch.ones_like(k), torch.cos(k), torch.sin(k)], dim=1)
     return w
 
 

@@ -355,29 +355,21 @@ def _step_wrapper(inner, grads: bool = True):
 
 
 _NUMBERS_SAID: list[str] = []
-_PIECE = 1 << 22  # elements of one flat piece of the gradients (16 MB in float32)
 
 
 def _norm64(grads: list):
-    """The 2-norm of all `grads` together, accumulated in float64 (one tensor on their device): the gradients
-    of one dtype and device copied into flat pieces of at most `_PIECE` elements, one norm a piece (a kernel
-    per parameter costs more than the norm itself: 133 small tensors)."""
+    """The 2-norm of all `grads` together in float64 (one tensor on their device): each gradient's norm
+    accumulated in float64, as `torch.linalg.vector_norm(g, dtype=torch.float64)` gives it, in ONE call
+    (`torch._foreach_norm`: a Python call and a dispatch a parameter cost more than the norms themselves
+    in a small model's step), then the norm of those norms."""
     import torch
 
-    pieces, part, size = [], [], 0
-    for g in grads:
-        flat = g.detach().reshape(-1)
-        if part and (size + flat.numel() > _PIECE or flat.dtype != part[0].dtype or flat.device != part[0].device):
-            pieces.append(part)
-            part, size = [], 0
-        part.append(flat)
-        size += flat.numel()
-    if part:
-        pieces.append(part)
-    per = [torch.linalg.vector_norm(p[0] if len(p) == 1 else torch.cat(p), dtype=torch.float64) for p in pieces]
-    if len(per) == 1:
-        return per[0]
-    return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]))
+    grads = [g.detach() for g in grads]
+    try:
+        per = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    except (RuntimeError, TypeError):  # gradients on several devices: one at a time
+        per = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]) if len(per) > 1 else per[0])
 
 
 def _step_numbers(schedule, losses, grads: bool) -> dict | None:
@@ -386,9 +378,8 @@ def _step_numbers(schedule, losses, grads: bool) -> dict | None:
     `grad_norms`, {stage index: the 2-norm of its gradients in float64} for each of the schedule's stages on
     this rank whose parameters have gradients (`grad_norms_local`: under FSDP / DTensor, of this rank's shard
     only). Read after torch's step returned, in eager code under no_grad, never inside a compiled region;
-    nothing of the user's is changed. Cost: a copy of the gradients into flat pieces (at most `_PIECE` elements
-    each, so a large model's peak memory does not grow by its gradients' size), a norm kernel per piece and one
-    host read per step."""
+    nothing of the user's is changed. Cost: one call of torch's foreach norm a stage (`_norm64`) and one host
+    read per step."""
     try:
         import torch
 
@@ -407,8 +398,10 @@ def _step_numbers(schedule, losses, grads: bool) -> dict | None:
             for stage in schedule_state(schedule)[1] if grads else ():
                 gs = [p.grad for p in stage.submod.parameters() if p.grad is not None]
                 if gs:
-                    local = local or any(hasattr(g, "to_local") for g in gs)
-                    norms.append(_norm64([g.to_local() if hasattr(g, "to_local") else g for g in gs]))
+                    if any(type(g) is not torch.Tensor for g in gs):  # a DTensor (FSDP, TP): this rank's shard
+                        local = local or any(hasattr(g, "to_local") for g in gs)
+                        gs = [g.to_local() if hasattr(g, "to_local") else g for g in gs]
+                    norms.append(_norm64(gs))
                     idx.append(stage.stage_index)
             if norms:
                 out["grad_norms"] = {str(i): v for i, v in zip(idx, torch.stack(norms).tolist())}

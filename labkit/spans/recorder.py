@@ -124,6 +124,7 @@ class Recorder:
         self.cuda = None               # (host time, event) of the current step's base, on CUDA
         self.device = None             # torch.device of the stages seen (cuda: events)
         self.meta_written: set[Path] = set()
+        self._file = None              # (path, pid, the open file): `_open`
         self.schedule = ""              # the class of the schedule whose step is running
         self.kit = 0.0                 # this step's seconds in the kit's wrappers (host clock), measured
         self.calls = 0                 # wrapped calls this step
@@ -227,26 +228,51 @@ class Recorder:
         stages = compiled.stage_state(ran, dynamo, self.window or f"step {step}")
         if self.path is None:
             return
+        f = self._open()  # kept open from step to step
+        if self.path not in self.meta_written:
+            self.meta_written.add(self.path)
+            f.write(json.dumps({"meta": self.meta()}) + "\n")
+        begin = {"begin_step": step, "schedule": self.schedule}
+        if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
+            begin["pipeline"] = pipeline
+        if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
+            begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
+        f.write(json.dumps(begin) + "\n")
+        f.write("".join([_line(self.rank, step, host, *row) for row in rows]))
+        if times is not None:
+            f.flush()  # writing is the kit's too: measured up to the last line
+            t_in, t_call, t_back = times
+            now = _clock()
+            book = (t_call - t_in) + (now - t_back)
+            f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
+                                "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls,
+                                **machine_load(self.step_cpu), **(numbers or {})}) + "\n")
+        f.flush()  # every step's lines reach the file when the step ends (a live cell, a crash)
+
+    def _open(self):
+        """The current file, open for appending, kept open from step to step (opened again after a fork, when
+        `use_file` moves to another file, and when the file was deleted)."""
+        held = self._file
+        if held is not None and held[0] == self.path and held[1] == os.getpid():
+            try:
+                if os.fstat(held[2].fileno()).st_nlink:  # not deleted meanwhile (then it is made again)
+                    return held[2]
+            except (OSError, ValueError):
+                pass
+        self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            if self.path not in self.meta_written:
-                self.meta_written.add(self.path)
-                f.write(json.dumps({"meta": self.meta()}) + "\n")
-            begin = {"begin_step": step, "schedule": self.schedule}
-            if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
-                begin["pipeline"] = pipeline
-            if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
-                begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
-            f.write(json.dumps(begin) + "\n")
-            f.write("".join([_line(self.rank, step, host, *row) for row in rows]))
-            if times is not None:
-                f.flush()  # writing is the kit's too: measured up to the last line
-                t_in, t_call, t_back = times
-                now = _clock()
-                book = (t_call - t_in) + (now - t_back)
-                f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
-                                    "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls,
-                                    **machine_load(self.step_cpu), **(numbers or {})}) + "\n")
+        f = open(self.path, "a")
+        self._file = (self.path, os.getpid(), f)
+        return f
+
+    def close(self) -> None:
+        """The current file closed (its lines are all written: each step's are flushed when it ends)."""
+        held, self._file = self._file, None
+        if held is not None and held[1] == os.getpid():
+            try:
+                held[2].close()
+            except OSError:
+                pass
 
     def _resolve(self, buf: list[list]) -> list[list]:
         if not any(not isinstance(x[3], float) for x in buf):
@@ -277,6 +303,7 @@ class Recorder:
         `window`: what these steps are called where a compiled stage falls back ("cell 3"; None: "step k");
         the stages' states carry on from file to file."""
         self.flush()
+        self.close()
         self.path = Path(path) if path else None
         self.window = window
         self.dynamo = compiled.snapshot()
