@@ -494,12 +494,13 @@ def test_a_small_settled_cause_is_not_headlined_over_a_large_unsettled_one():
 
 # ---- issue 63 item 6: one rule, really; the steps that compiled apart --------------------------------------
 
-def write_clocked(folder, factors, between: float = 0.0, kit: float = 0.0, load=QUIET, compiled=None):
+def write_clocked(folder, factors, between: float = 0.0, kit: float = 0.0, load=QUIET, compiled=None, first=()):
     """A cell's (or run's) spans with every clock the ranks record: one 1F1B step per (slow, scale, share) of
     `factors` (`varied`'s, each action's `share` without a CPU), a wait for a receive before each action but
     the step's first (`between` of it without a CPU), the kit's own `kit` seconds before and after each
     action, the load at each step's end, and dynamo's counts on the `begin_step` line of the steps in
-    `compiled` ({step: counts}: torch.compile compiled in that step)."""
+    `compiled` ({step: counts}: torch.compile compiled in that step), and `"first": true` on those of the steps
+    in `first` (its schedule's first step in the process: a warm-up)."""
     acts = varied([(slow, scale) for slow, scale, _ in factors])
     (folder / "spans").mkdir(parents=True)
     for rank in sorted({a.rank for _, a in acts}):
@@ -507,7 +508,8 @@ def write_clocked(folder, factors, between: float = 0.0, kit: float = 0.0, load=
         for k, (_, _, share) in enumerate(factors):
             mine = sorted((a for kk, a in acts if a.rank == rank and kk == k), key=lambda a: a.start)
             lines.append({"begin_step": k, "schedule": "Schedule1F1B",
-                          **({"compile": compiled[k]} if compiled and k in compiled else {})})
+                          **({"compile": compiled[k]} if compiled and k in compiled else {}),
+                          **({"first": True} if k in first else {})})
             free, queued = mine[0].start, 0.0
             for a in mine:
                 if a.start > free:
@@ -599,3 +601,39 @@ def test_steps_that_compiled_are_left_out_and_named_apart(tmp_path, capsys):
     # a measurement whose every step compiled has no warm step: compared as it is, and said
     once = explain_slowdown(eager, write_clocked(tmp_path / "once", [(1.0, 12.0, 0.0)], compiled={0: COMPILED}))
     assert once.left_out == [] and once.unwarm == ["after"] and "Every step of after compiled" in once.text()
+
+
+def test_a_schedules_first_step_is_a_warm_up_left_out_and_named_apart(tmp_path, capsys):
+    """Issue 63: an eager run's first step warms up (torch's stages infer their shapes and set up their
+    transfers, the allocator warms up) and was compared as a step. Marked by the recorder (its schedule's
+    first step in the process), it is left out where the measurement has other steps and named apart from a
+    step that compiled; the same text from the run directories, their Timelines and the command line. A
+    measurement of one step, a warm-up, is compared as it is, and says so."""
+    eager = write_clocked(tmp_path / "eager", [(1.0, 9.0, 0.0), (1.0, 1.0, 0.0), (1.0, 1.01, 0.0), (1.0, 0.99, 0.0)],
+                          first={0})
+    warm = write_clocked(tmp_path / "warm", [(1.0, 1.0, 0.0), (1.0, 0.99, 0.0), (1.0, 1.01, 0.0)])
+    s = explain_slowdown(eager, warm)
+    adds_up(s)
+    assert [(x.side, x.round, x.step, x.why, x.counts) for x in s.left_out] == [("before", None, 1, "warm-up", {})]
+    assert s.left_out[0].seconds == pytest.approx(9 * s.after, rel=0.05)
+    assert s.units == 3 and s.after == pytest.approx(s.before, rel=0.02) and s.stages == []
+    assert s.unwarm == [] and s.cold == []
+    text = s.text()
+    assert (" Steps that warmed up are left out and the warm steps are compared: before's step 1 warmed up for "
+            in text and "(its schedule's first step)." in text and "compiled" not in text)
+    assert explain_slowdown(timeline_from_spans(eager), timeline_from_spans(warm)).text() == text
+    assert main(["timeline", "--compare", str(eager), str(warm)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == text
+    # a first step that also compiled is a step that compiled; the two are named apart, in order
+    comp = write_clocked(tmp_path / "compiled", [(1.0, 12.0, 0.0), (1.0, 1.0, 0.0), (1.0, 0.99, 0.0)],
+                         compiled={0: COMPILED}, first={0})
+    both = explain_slowdown(eager, comp)
+    assert [(x.side, x.step, x.why) for x in both.left_out] == [("before", 1, "warm-up"), ("after", 1, "compiled")]
+    assert both.left_out[1].counts == {0: COMPILED, 1: COMPILED}
+    assert (" Steps that compiled or warmed up are left out and the warm steps are compared: before's step 1 "
+            "warmed up for " in both.text() and "; after's step 1 compiled for " in both.text())
+    # a measurement of one step, its schedule's first: nothing warm to compare, so compared as it is
+    once = explain_slowdown(warm, write_clocked(tmp_path / "once", [(1.0, 9.0, 0.0)], first={0}))
+    assert once.left_out == [] and once.cold == ["after"] and once.unwarm == []
+    assert "No step of after is warm" in once.text() and once.after == pytest.approx(9 * once.before, rel=0.05)
+    assert any(n.startswith("after: its only step warmed up") for n in once.notes), once.notes

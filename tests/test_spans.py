@@ -84,6 +84,30 @@ def test_the_cpu_clock_is_the_host_clock(tmp_path):
     assert meta[3]["clock"] == "host (time.time)" and meta[3]["schedules"] == {0: "ScheduleGPipe"}
 
 
+def test_a_schedules_first_step_in_the_process_is_marked_a_warm_up(monkeypatch, tmp_path):
+    """Issue 63: the first step a schedule object runs in a process warms up (its stages infer their shapes
+    and set up their transfers): the step wrapper marks it (`"first": true` on its `begin_step` line), once
+    per schedule object, a nested step counting once; read back as meta["first"]."""
+    class Sched:
+        def __init__(self, inner=None):
+            self.inner = inner
+
+        def eval(self):  # an action of one span, and a nested schedule's step inside it
+            if self.inner is not None:
+                self.inner.eval()
+            r.add("F", 0, 0, r.now(), r.now())
+
+    Sched.eval = rec_mod._step_wrapper(Sched.eval, grads=False)
+    r = rec_mod.Recorder(tmp_path / "rank0.jsonl", rank=0)
+    monkeypatch.setattr(rec_mod, "RECORDER", r)
+    a, b = Sched(), Sched()
+    a.eval(), a.eval(), b.eval(), Sched(inner=a).eval(), b.eval()
+    begins = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines() if "begin_step" in x]
+    assert [x.get("first", False) for x in begins] == [True, False, True, True, False]
+    _, meta = read_spans(tmp_path)
+    assert meta[0]["first"] == [0, 2, 3]
+
+
 # ---- idle time by cause ------------------------------------------------------------------------------
 
 def test_idle_causes_are_measured_per_gap_and_add_up_to_the_bubble():
@@ -204,6 +228,8 @@ def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     tl = timeline_from_spans(out)
     assert tl.meta["schedule"] == "Schedule1F1B" and tl.meta["steps"] == 2
+    _, meta = read_spans(out)  # the schedule's first step in each rank is marked a warm-up, its second not
+    assert {r: m.get("first") for r, m in meta.items()} == {0: [0], 1: [0]}
     assert tl.counts() == {(s, k): 8 for s in (0, 1) for k in ("F", "B")}  # every action, both steps
     rep = explain_idle_spans(out)  # the last step
     print(rep.text())

@@ -8,7 +8,8 @@ SEND); `labkit.spans.idle` reads the raw spans to say where idle time went. The 
 around each span (`pre`, `post`, `kit`) and each step's `end_step` line give `instrument_overhead`
 (`meta["instrument_overhead"]` of the timeline: what `labkit timeline --json` prints per rank).
 A step in which torch.compile did anything gives its counts per rank (`meta["compile"]`:
-`compile_counts`, `labkit.spans.compiled`). The timeline carries the spans and per-step lines themselves
+`compile_counts`, `labkit.spans.compiled`); a schedule object's first step in its process (a warm-up)
+is marked (`meta[rank]["first"]`: those steps). The timeline carries the spans and per-step lines themselves
 too (`Timeline.recorded`, a `Recorded`): every clock the ranks recorded, for `explain_slowdown`.
 """
 
@@ -69,7 +70,8 @@ class Recorded(NamedTuple):
     """Every span, each with its scheduler clocks (`cpu`, `rq`) and the kit's own time around it."""
     meta: dict[int, dict]
     """{rank: its file's meta line, with its per-step lines: `instrument` (wall, CPU and run-queue seconds,
-    the kit's own, the load at the step's end), `schedules`, `pipelines`, `compile` (dynamo's counts)}."""
+    the kit's own, the load at the step's end), `schedules`, `pipelines`, `compile` (dynamo's counts), `first`
+    (the steps that were their schedule object's first in the process: warm-ups)}."""
 
     def of(self, tl: Timeline) -> "Recorded | None":
         """What `tl` (this recording's timeline, or one step or pipeline of it) was read from: every span of
@@ -120,6 +122,8 @@ def read_spans(path) -> tuple[list[Span], dict[int, dict]]:
                     meta[rank].setdefault("pipelines", {})[int(row["begin_step"])] = row["pipeline"]
                 if row.get("compile"):  # what torch.compile did in that step (labkit.spans.compiled)
                     meta[rank].setdefault("compile", {})[int(row["begin_step"])] = row["compile"]
+                if row.get("first"):  # its schedule object's first step in the process: a warm-up
+                    meta[rank].setdefault("first", []).append(int(row["begin_step"]))
                 continue
             spans.append(Span(int(row.get("rank", rank)), int(row["step"]), row["kind"], int(row["stage"]),
                               int(row["mb"]), float(row["start"]), float(row["end"]), row.get("what", ""),

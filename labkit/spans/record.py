@@ -339,7 +339,7 @@ def _step_wrapper(inner, grads: bool = True):
         rec = RECORDER
         if rec is None:
             return inner(self, *args, **kwargs)
-        rec.begin_step(type(self).__name__)
+        rec.begin_step(type(self).__name__, self)  # its first step in this process is marked (a warm-up)
         t_call = _clock()
         try:
             out = inner(self, *args, **kwargs)

@@ -2,7 +2,9 @@
 one JSON line each to the current file, with the kit's own time around each action (`pre`, `post`,
 `kit`) and a closing `end_step` line; a step in which torch.compile did anything, or in which a
 compiled stage ran, says what on its `begin_step` line (`compile`: dynamo's counts since the step
-before, and each compiled stage's state carried over cells and steps, `labkit.spans.compiled`).
+before, and each compiled stage's state carried over cells and steps, `labkit.spans.compiled`); the
+first step a schedule object runs in this process says so there too (`"first": true`: a warm-up, in
+which torch's stage infers its shapes and sets up its transfers, and the allocator warms up).
 `labkit.spans.record` creates one per rank and feeds it from its wrappers; `labkit.spans.read` reads
 the lines back."""
 
@@ -12,6 +14,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from . import compiled
@@ -109,6 +112,18 @@ def _line(rank: int, step: int, host: bool, kind: str, stage: int, mb, s: float,
     return out + "}\n"
 
 
+def _first(stepped: weakref.WeakSet, obj) -> bool:
+    """Whether `obj` (a schedule) begins its first step in this process; it is noted as stepped. Held by a
+    weak reference: nothing is set on the user's object, and a schedule dropped is forgotten with it."""
+    try:
+        if obj in stepped:
+            return False
+        stepped.add(obj)
+    except TypeError:  # not weakly referable (a schedule class with __slots__): not told
+        return False
+    return True
+
+
 class Recorder:
     """The spans of one process. `path`: the file a step's spans go to (None: kept until one is set)."""
 
@@ -134,6 +149,8 @@ class Recorder:
         self.dynamo = compiled.snapshot()  # dynamo's counters at the last step's end (or the file's start)
         self.step_stages: dict[int, object] = {}  # this step's stages by index (`saw_stage`)
         self.window: str | None = None  # what a fall-back is "since": "cell 3" (use_file's), else "step k"
+        self.stepped = weakref.WeakSet()  # the schedule objects that began a step in this process
+        self.first = False             # this step is its schedule object's first here (a warm-up: `begin_step`)
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -187,10 +204,14 @@ class Recorder:
             self.loose += ([t_in, t_call], [t_back, t_out])
 
     # ---- steps
-    def begin_step(self, schedule: str = "") -> None:
+    def begin_step(self, schedule: str = "", obj=None) -> None:
+        """`obj`: the schedule object whose step (or eval) this is: the first step it runs in this process
+        is marked on the step's `begin_step` line (`"first": true`); a nested step counts once."""
         self.depth += 1
         if self.depth == 1:
             self.step_cpu = _cpu()
+            if obj is not None:
+                self.first = _first(self.stepped, obj)
         if self.depth == 1 and schedule:
             self.schedule = schedule
         if self.depth == 1 and self._on_cuda():
@@ -209,6 +230,7 @@ class Recorder:
         step's `numbers` (`end_step`)."""
         kit, calls, loose = self.kit, self.calls, self.loose
         self.kit, self.calls, self.loose = 0.0, 0, []
+        first, self.first = self.first, False
         if not self.buf:
             self.tags.clear()
             self.step_stages = {}
@@ -235,6 +257,8 @@ class Recorder:
         begin = {"begin_step": step, "schedule": self.schedule}
         if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
             begin["pipeline"] = pipeline
+        if first:  # its schedule object's first step in this process: a warm-up (labkit.timeline.critical_path)
+            begin["first"] = True
         if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
             begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
         f.write(json.dumps(begin) + "\n")

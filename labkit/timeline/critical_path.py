@@ -5,8 +5,10 @@ A measurement is a `Timeline`, a run directory, a live-ranks cell directory or a
 read one way: as a `Timeline` (`timeline_from_spans` where it has spans, else `load_timeline`), then from
 every clock that Timeline carries (`Timeline.recorded`: the spans of its steps and ranks, with the run queue
 between actions, the kit's own time, the load and dynamo's counts per step), or from its actions alone where
-it carries none (logs, profiler traces, theory). Steps in which torch.compile compiled are left out where
-the measurement has warm ones (`_warm`): they time the compiler. Each step is followed from the action
+it carries none (logs, profiler traces, theory). Steps in which torch.compile compiled, and steps that warmed
+up (a schedule object's first step in its process: its stages infer their shapes and set up their transfers,
+the allocator warms up), are left out where the measurement has warm ones (`_warm`): they time the compiler
+and the set-up, not the code. Each step is followed from the action
 that ends it back through what each action waited for last (its rank's previous action, or the input it
 needed from another stage) down to the step's start; every piece of that path gets one cause
 (`_Tally`). How busy the machine was over the measurement's steps (`_Loaded.load`, the spans'
@@ -37,10 +39,11 @@ class _Loaded(NamedTuple):
     kit: bool       # the kit's own time was measured
     notes: list[str]
     load: dict      # how busy the machine was over its steps, per rank (`labkit.spans.read.machine_load`; {}: not read)
-    compiled: list[tuple[int, float, dict]] = []
-    """The steps left out because torch.compile compiled in them: (step, 1 for the first, its time in seconds,
-    {rank: dynamo's counts in it})."""
+    left_out: list[tuple[int, float, dict, str]] = []
+    """The steps left out (`_warm`): (step, 1 for the first; its time in seconds; {rank: dynamo's counts in
+    it}, {} for a warm-up; why: "compiled" or "warm-up")."""
     every_step_compiled: bool = False  # ... and none was left: every step compiled (no warm step to compare)
+    every_step_cold: bool = False      # ... or every step warmed up or compiled, not every one compiled
 
 
 def _load(x, source: str, name: str) -> _Loaded:
@@ -64,7 +67,7 @@ def _from_timeline(tl: Timeline, name: str) -> _Loaded:
     if recorded is None:
         return _from_actions(tl, name)
     spans, meta = recorded
-    spans, compiled, every = _warm(spans, meta)
+    spans, left_out, every = _warm(spans, meta)
     comp = [s for s in spans if s.kind in COMPUTE_KINDS]
     clocked = bool(comp) and all(s.rq for s in comp)
     notes = []
@@ -72,14 +75,20 @@ def _from_timeline(tl: Timeline, name: str) -> _Loaded:
         cuda = any(str(m.get("clock", "")).startswith("cuda") for m in meta.values())
         notes.append(f"{name}: no scheduler clocks in its spans (" + ("CUDA spans time the device, not the host's "
                      "run queue" if cuda else "recorded before the kit read the run queue, or not on Linux") + ").")
-    if every:
+    compiled_all = bool(every) and all(why == "compiled" for why in every.values())
+    if compiled_all:
         notes.append(f"{name}: torch.compile compiled in " + ("its only step" if len(every) == 1 else
                      f"each of its {len(every)} steps") + ": no warm step to compare, so it is compared as it is "
                      "(run more steps).")
+    elif every:
+        notes.append(f"{name}: " + ("its only step warmed up" if len(every) == 1 else f"each of its {len(every)} "
+                     "steps warmed up" + (" or compiled" if "compiled" in every.values() else "")) + " (its "
+                     "schedule's first step in the process: its stages set up their shapes and transfers): no warm "
+                     "step to compare, so it is compared as it is (run more steps).")
     kit = any(s.own() for s in spans) or any("instrument" in m for m in meta.values())
     pipes = enumerate(recorded_pipelines(spans, meta) or [])
     return _Loaded(spans, {r: i for i, p in pipes for r in p}, clocked, kit, notes, machine_load(spans, meta),
-                   compiled, bool(every))
+                   left_out, compiled_all, bool(every) and not compiled_all)
 
 
 def _compiling(counts: dict | None) -> bool:
@@ -90,33 +99,39 @@ def _compiling(counts: dict | None) -> bool:
                 or c.get("fell_back", 0) > c.get("at_limit", 0))
 
 
-def _warm(spans: list[Span], meta: dict) -> tuple[list[Span], list[tuple[int, float, dict]], list[int]]:
-    """(the spans of the steps torch.compile did not compile in, [(step, its time, {rank: counts})] of those
-    it did, []), or, when it compiled in every step, (every span, [], every step): the ranks' k-th steps
-    together, a step left out when it compiled on any rank (dynamo's counts on its `begin_step` line)."""
+def _warm(spans: list[Span], meta: dict) -> tuple[list[Span], list[tuple[int, float, dict, str]], dict[int, str]]:
+    """(the spans of the warm steps, [(step, its time, {rank: counts}, why)] of the others, {}), or, when no
+    step is warm, (every span, [], {step: why} for every step): the ranks' k-th steps together, a step left
+    out when torch.compile compiled in it on any rank (dynamo's counts on its `begin_step` line: why
+    "compiled") or, else, when it was its schedule object's first step in the process on any rank (its
+    `"first"` mark, `labkit.spans.recorder`: why "warm-up", counts {})."""
     numbers: dict[tuple[int, int], int] = {}
     for r in sorted({s.rank for s in spans}):
         ids = sorted({s.step for s in spans if s.rank == r and s.kind in COMPUTE_KINDS})
         numbers.update({(r, step): k for k, step in enumerate(ids)})
     counts: dict[int, dict] = {}
+    first: set[int] = set()
     for (r, step), k in numbers.items():
         c = meta.get(r, {}).get("compile", {}).get(step)
         if _compiling(c):
             counts.setdefault(k, {})[r] = c
-    if not counts:
-        return spans, [], []
-    if len(counts) == len(set(numbers.values())):
-        return spans, [], sorted(counts)
+        if step in meta.get(r, {}).get("first", ()):
+            first.add(k)
+    why = {k: "compiled" if k in counts else "warm-up" for k in sorted(first | set(counts))}
+    if not why:
+        return spans, [], {}
+    if len(why) == len(set(numbers.values())):
+        return spans, [], {k + 1: w for k, w in why.items()}
     out, times = [], {}
     for s in spans:
         k = numbers.get((s.rank, s.step))
-        if k in counts:
+        if k in why:
             if s.kind in COMPUTE_KINDS:
                 lo, hi = times.get(k, (s.start, s.end))
                 times[k] = (min(lo, s.start), max(hi, s.end))
         else:
             out.append(s)
-    return out, [(k + 1, times[k][1] - times[k][0], counts[k]) for k in sorted(counts)], []
+    return out, [(k + 1, times[k][1] - times[k][0], counts.get(k, {}), w) for k, w in why.items()], {}
 
 
 def _from_actions(tl: Timeline, name: str) -> _Loaded:

@@ -30,8 +30,10 @@ inside the other causes; so does the kit's where it was not measured.
 How sure: the verdict weighs each cause's change against its own noise over units of measurement
 (`Slowdown.unit`): rounds (lists of measurements, paired in order: `pool.rounds` interleaves them), or,
 for two single measurements (yesterday's run and today's, never interleaved), their steps, paired in
-order. A step in which torch.compile compiled times the compiler, not the code: it is left out where the
-measurement has warm steps, and named apart ("after's step 1 compiled for 2.9 s": `Slowdown.left_out`).
+order. A step in which torch.compile compiled times the compiler, not the code, and a schedule object's
+first step in its process (its stages infer their shapes and set up their transfers, the allocator warms
+up) times that set-up: each is left out where the measurement has warm steps, and named apart ("after's
+step 1 compiled for 2.9 s", "before's step 1 warmed up for 183 ms": `Slowdown.left_out`).
 A cause changed when its mean change exceeds `NOISE_Z` standard errors of its per-unit changes and
 `FLOOR` of the step. The headline names EVERY such cause, largest first (`Slowdown.named`), and
 always a stage whose compute (less descheduling) changed; when the units disagree on which cause
@@ -71,7 +73,8 @@ Pair = tuple  # (before, after)
 
 
 class LeftOut(NamedTuple):
-    """A step left out of the comparison because torch.compile compiled in it (it times the compiler)."""
+    """A step left out of the comparison because torch.compile compiled in it (it times the compiler), or
+    because it was its schedule object's first step in the process (a warm-up: it times the set-up)."""
 
     side: str
     """"before" or "after"."""
@@ -82,7 +85,11 @@ class LeftOut(NamedTuple):
     seconds: float
     """Its time (its first action's start to its last action's end)."""
     counts: dict
-    """{rank: dynamo's counts in it} (`labkit.spans.compiled.COUNTS`) of the ranks that compiled."""
+    """{rank: dynamo's counts in it} (`labkit.spans.compiled.COUNTS`) of the ranks that compiled; {} for a
+    warm-up."""
+    why: str = "compiled"
+    """"compiled" (torch.compile compiled in it, on any rank) or "warm-up" (its schedule object's first step
+    in the process, on any rank, `labkit.spans.recorder`); a step that did both is "compiled"."""
 
 
 class Agreement(NamedTuple):
@@ -142,11 +149,14 @@ class Slowdown(SlowdownText):
     baseline: Quiet | None = None
     """The quiet rule (`labkit.spans.quiet`) over the before side's steps; None where not measured."""
     left_out: list[LeftOut] = field(default_factory=list)
-    """The steps left out because torch.compile compiled in them (before's, then after's, in order): the
-    warm steps are compared. A measurement whose every step compiled keeps them (`unwarm`)."""
+    """The steps left out because torch.compile compiled in them or they warmed up (before's, then after's,
+    in order): the warm steps are compared. A measurement with no warm step keeps them (`unwarm`, `cold`)."""
     unwarm: list[str] = field(default_factory=list)
     """The sides ("before", "after"; "after (round 2)" among rounds) whose every step compiled: compared as
     they are, there being no warm step."""
+    cold: list[str] = field(default_factory=list)
+    """The sides whose every step warmed up (or compiled), not every one compiled (a measurement of one
+    step, its schedule's first): compared as they are, there being no warm step."""
 
     @property
     def delta(self) -> dict[str, float | None]:
@@ -341,7 +351,8 @@ def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
     (`timeline_from_spans` where it has spans, else `load_timeline(path, source)`), from every clock that
     Timeline carries (`Timeline.recorded`), so a directory, its Timeline (`pool.timeline(cell)`) and the
     cell (`pool.compare`) give the same text. Steps in which torch.compile compiled (dynamo's counts per
-    step) are left out where a measurement has warm ones, and named apart (`Slowdown.left_out`). Notebook 06b."""
+    step), and steps that warmed up (a schedule object's first step in its process, marked by the recorder),
+    are left out where a measurement has warm ones, and named apart (`Slowdown.left_out`). Notebook 06b."""
     sides = [list(x) if isinstance(x, (list, tuple)) else [x] for x in (before, after)]
     if len(sides[0]) != len(sides[1]) or not sides[0]:
         raise ValueError(f"Give as many rounds before as after (got {len(sides[0])} and {len(sides[1])}): "
@@ -372,10 +383,12 @@ def explain_slowdown(before, after, source: str = "auto") -> Slowdown:
                    units, unit, baseline)
     for name, side in zip(("before", "after"), loaded):
         for i, m in enumerate(side):
-            out.left_out += [LeftOut(name, i + 1 if len(side) > 1 else None, k, t, counts)
-                             for k, t, counts in m.compiled]
+            out.left_out += [LeftOut(name, i + 1 if len(side) > 1 else None, k, t, counts, why)
+                             for k, t, counts, why in m.left_out]
             if m.every_step_compiled:
                 out.unwarm.append(f"{name} (round {i + 1})" if len(side) > 1 else name)
+            if m.every_step_cold:
+                out.cold.append(f"{name} (round {i + 1})" if len(side) > 1 else name)
     return out
 
 

@@ -106,15 +106,22 @@ class SlowdownText:
                 }[cause] + load
 
     def _warm(self) -> str:
-        """The steps left out because torch.compile compiled in them, named apart; the sides with no warm step."""
+        """The steps left out because torch.compile compiled in them or they warmed up (a schedule's first
+        step), named apart; the sides with no warm step."""
         out = ""
         if self.left_out:
-            out += " Steps that compiled are left out and the warm steps are compared: " + "; ".join(
-                f"{x.side}'s " + (f"round {x.round}, " if x.round else "") + f"step {x.step} compiled for "
-                f"{_time(x.seconds)} ({_compiled(x.counts)})" for x in self.left_out) + "."
+            whys = {x.why for x in self.left_out}
+            did = " or ".join(w for w, why in (("compiled", "compiled"), ("warmed up", "warm-up")) if why in whys)
+            out += f" Steps that {did} are left out and the warm steps are compared: " + "; ".join(
+                f"{x.side}'s " + (f"round {x.round}, " if x.round else "") + f"step {x.step} "
+                + (f"compiled for {_time(x.seconds)} ({_compiled(x.counts)})" if x.why == "compiled" else
+                   f"warmed up for {_time(x.seconds)} (its schedule's first step)") for x in self.left_out) + "."
         for side in self.unwarm:
             out += (f" Every step of {side} compiled (torch.compile): with no warm step it is compared as it is, "
                     f"the compiler's time in it; run more steps.")
+        for side in self.cold:
+            out += (f" No step of {side} is warm (each is its schedule's first step in the process, or compiled): "
+                    f"it is compared as it is, the set-up's time in it; run more steps.")
         return out
 
     def _sure(self) -> str:
