@@ -360,15 +360,13 @@ _NUMBERS_SAID: list[str] = []
 def _norm64(grads: list):
     """The 2-norm of all `grads` together in float64 (one tensor on their device): each gradient's norm
     accumulated in float64, as `torch.linalg.vector_norm(g, dtype=torch.float64)` gives it, in ONE call
-    (`torch._foreach_norm`: a Python call and a dispatch a parameter cost more than the norms themselves
-    in a small model's step), then the norm of those norms."""
+    (a Python call and a dispatch a parameter cost more than the norms themselves
+    in a small model's step: `labkit.versions.float64_norms`), then the norm of those norms."""
     import torch
 
-    grads = [g.detach() for g in grads]
-    try:
-        per = torch._foreach_norm(grads, 2, dtype=torch.float64)
-    except (RuntimeError, TypeError):  # gradients on several devices: one at a time
-        per = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    from ..versions import float64_norms
+
+    per = float64_norms([g.detach() for g in grads])
     return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]) if len(per) > 1 else per[0])
 
 

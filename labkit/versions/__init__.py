@@ -384,6 +384,18 @@ def compiled_module(module) -> bool:
                for m in module.modules())
 
 
+def float64_norms(tensors: list) -> list:
+    """Each tensor's 2-norm accumulated in float64, as `torch.linalg.vector_norm(t, dtype=torch.float64)`
+    gives it, in ONE call: `torch._foreach_norm` with `dtype` (private; the same in torch 2.11 to 2.15; bit
+    for bit the per-tensor norm on CPU, tests/test_spans.py). Tensors on several devices: one at a time."""
+    import torch
+
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+    except (RuntimeError, TypeError):
+        return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+
+
 def clean_exit_is_done() -> None:
     """In a warm launch's agent (labkit.launching.warm): a rank that ends by `os._exit(0)` (the kit's
     `exit_now`, a live rank closed by its kernel) counts as finished. torch's MultiprocessContext (the
