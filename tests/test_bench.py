@@ -317,3 +317,13 @@ def test_the_watch_rows_say_the_cost_and_the_step_named():
     assert f"## {bench.WATCH_HEADING}" in text
     assert "| clean, every 10 | 21.0 s | 35.2 s | 1.67x (1.60-1.71) | holds at every step |" in text, text
     assert "| bug at step 37 | - | - | - | named step 37, stage 1 |" in text and bench._watch_rows(None) == []
+
+
+def test_the_watch_rows_say_the_load_the_pairs_ran_under():
+    """Another job on the machine slows the two runs of a pair unequally: the section says the load average at the
+    start and after each pair."""
+    w = {"pairs": 2, "steps": 100, "every": 10, "bug_at": 37, "model": "m", "plain_s": 14.0, "watched_s": 20.0,
+         "ratio": {"median": 1.43, "min": 1.4, "max": 1.45, "ratios": [1.4, 1.45]}, "clean_ok": True,
+         "bug": {"named_step": 37, "stage": 1, "failure": "...", "ranks_agree": True}, "date": "d", "torch": "t",
+         "load": [0.52, 1.04, 2.0], "cores": 2}
+    assert "load average 0.5 at the start and 1.0, 2.0 after each pair on 2 cores" in "\n".join(bench._watch_rows(w))

@@ -6,11 +6,12 @@ stage received, the module a stage's float64 replay departs at: labkit.check.loc
 against the reference's, with its floor (the drift's yardstick). Used by `labkit.watch_run`
 (labkit.check.watch), `w` its RunWatch.
 
-May import: torch, labkit.check (noise, reference, calls, boundaries, located, update), labkit.worker (shared)."""
+May import: torch, labkit.check (noise, reference, calls, boundaries, located, update)."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,9 @@ from . import located
 from . import update as upd
 from .boundaries import stage_names
 from .calls import CheckStepError, _Call
-from .noise import NOISE_MULTIPLE, Figure, figure
-from .reference import _references, _references_key
+from .noise import NOISE_MULTIPLE, Figure, figure, max_abs_diff
+from .reference import Reference, float64_reference, microbatched_reference, whole_batch_reference
 from .runs import StepRecord
-from ..worker.shared import memo, shared_work
 
 
 def judge_grads(w, st, weights: dict, rec: StepRecord, live: bool = True):
@@ -41,8 +41,8 @@ def judge_grads(w, st, weights: dict, rec: StepRecord, live: bool = True):
     kw = {k: v.to(w.device) if torch.is_tensor(v) else v for k, v in st.kwargs.items()}
     c = _Call(w.full, w.stages, x, y, [], w.n_microbatches, w.loss_fn, None, w.prefix, None, (),
               None, w.device, w.chunk_dim, w.group, kw or None, {}, {}, None, w.autocast)
-    with shared_work():
-        ref, probe, truth, _ = memo(_references_key(c), lambda: _references(c))
+    ref, probe, truth = _references_shared(w, c)
+    w._noise = _noise(w, ref, probe, truth)
     # one factor over every stage: <g, R> / <R, R>, per stage and over all
     dots = {}
     for k, ps in w.params.items():
@@ -105,6 +105,54 @@ def judge_grads(w, st, weights: dict, rec: StepRecord, live: bool = True):
     return False, k if stage is None else stage, where, dist_
 
 
+def owners(world: int) -> dict[str, int]:
+    """Which rank of the pipeline (its index in the group) makes each of check_step's references (R, C, T:
+    labkit.check.noise): T, in float64, costs about what R and C cost together, so it goes alone to the last
+    rank, R to rank 0, C to rank 1 (to rank 0 beside R on 2 ranks); one rank makes all three."""
+    if world == 1:
+        return {"R": 0, "C": 0, "T": 0}
+    return {"R": 0, "C": 1 % (world - 1), "T": world - 1}
+
+
+def _references_shared(w, c) -> tuple[Reference, Reference, Reference | None]:
+    """check_step's three references of the unsplit model from the step's weights (labkit.check.reference),
+    each made by ONE rank of the pipeline (`owners`) and its gradients sent to the ranks that hold them
+    (collective): check_step makes all three on every rank; here a check costs about its slowest reference,
+    not their sum (bench/RESULTS.md, "The run watch"). The same numbers: the same code on the same weights and
+    batch. A reference that raises raises on every rank (the owner's exception, gathered)."""
+    me, world = dist.get_rank(w.group), dist.get_world_size(w.group)
+    jobs = [j for j, r in owners(world).items() if r == me]
+    args = (c.full, c.x, c.y, c.n_microbatches, c.loss_fn, c.device, c.chunk_dim, c.kwargs, c.clip_grad_norm)
+    made, failed = {}, None
+    try:
+        for job in jobs:
+            if job == "T":
+                made["T"] = float64_reference(*args, why=[])
+            else:
+                make = whole_batch_reference if job == "R" else microbatched_reference
+                made[job] = make(*args, autocast=c.autocast)
+    except Exception as e:  # noqa: BLE001  (raised on every rank below, not on this one alone)
+        failed = e
+    if failed is not None:
+        try:
+            pickle.dumps(failed)
+        except Exception:  # noqa: BLE001
+            failed = RuntimeError(f"{type(failed).__name__}: {failed}")
+    send = {"error": failed} if failed is not None else {
+        r: {j: None if ref is None else (ref.losses, {n: ref.grads[n] for n in w.names_of[r] if n in ref.grads},
+                                         ref.dropped) for j, ref in made.items()}
+        for r in range(world) if r != me}
+    parts = [None] * world
+    dist.all_gather_object(parts, send, group=w.group)
+    error = next((p["error"] for p in parts if "error" in p), None)
+    if error is not None:
+        raise error
+    for r, part in enumerate(parts):
+        if r != me:
+            made.update({j: None if v is None else Reference(v[0], v[1], dropped=v[2]) for j, v in part[me].items()})
+    return made["R"], made["C"], made["T"]
+
+
 def _locate(w, c, weights: dict, figures: list, said: str, live: bool) -> tuple[int | None, str]:
     """A gradient failure placed as check_step places a failed step (labkit.check.located, collective):
     what a stage received (the live step only: the kit keeps the last step's), then each stage replayed in
@@ -147,11 +195,27 @@ def _loss_figures(w, st, ref, probe, truth) -> list[dict]:
                    None if u is None else f64(u)).as_dict() for i, (a, r, q, u) in enumerate(rows)]
 
 
+def _noise(w, ref, probe, truth) -> dict[str, tuple[float, float | None]]:
+    """Each of this rank's gradients' reference against itself in a pipeline's order and against the float64
+    truth, max|C - R| and max|T - R| (labkit.check.noise's `reorder` and `own`), taken once for every figure of
+    the check (a figure given them takes the same numbers)."""
+    out = {}
+    for ps in w.params.values():
+        for n, _ in ps:
+            r = ref.grads.get(n)
+            if r is None:
+                continue
+            r = r.detach().cpu()
+            c = probe.grads[n].detach().cpu() if n in probe.grads else r
+            t = truth.grads[n].detach().cpu() if truth and n in truth.grads else None
+            out[n] = (max_abs_diff(c, r), None if t is None else max_abs_diff(t, r))
+    return out
+
+
 def _floor(w, n, k, ref, probe, truth) -> float:
     r = ref.grads[n].detach().cpu()
-    t = truth.grads[n].detach().cpu() if truth and n in truth.grads else None
-    return figure("grad", n, k, r, r, probe.grads[n].detach().cpu() if n in probe.grads else r,
-                  w.n_microbatches, truth=t).floor
+    reorder, own = w._noise[n]
+    return figure("grad", n, k, r, r, None, w.n_microbatches, reorder=reorder, own=own).floor
 
 
 def _previous_seen(w, st: _Step) -> dict | None:
@@ -172,10 +236,9 @@ def _stage_figures(w, k, ps, st, ref, probe, truth, c_all, c_own, prev) -> dict:
             g = g.to(torch.float64)
             if minus is not None and minus.get(n) is not None:
                 g = g - b * minus[n].to(torch.float64)
-            f = figure("grad", n, k, g / scale if scale else g, r.detach().cpu(),
-                       probe.grads[n].detach().cpu() if n in probe.grads else r.detach().cpu(),
-                       w.n_microbatches, dtype=r.dtype,
-                       truth=truth.grads[n].detach().cpu() if truth and n in truth.grads else None)
+            reorder, own = w._noise[n]
+            f = figure("grad", n, k, g / scale if scale else g, r.detach().cpu(), None, w.n_microbatches,
+                       dtype=r.dtype, reorder=reorder, own=own)
             floor = f.floor + (w._rel * f.scale if scale != 1.0 else 0.0)  # the fitted factor's own noise
             if f.err / floor >= worst[0] / worst[1] or not worst[2]:
                 worst = (f.err, floor, n)

@@ -35,14 +35,15 @@ class Reference:
 
 def whole_batch_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None, device="cpu",
                           chunk_dim: int = 0, kwargs: dict | None = None, clip_grad_norm: float | None = None,
-                          autocast: torch.dtype | None = None) -> Reference:
+                          autocast: torch.dtype | None = None, *, copied: bool = False) -> Reference:
     """One forward (and backward, when `loss_fn` is given) of the unsplit `model` on the whole batch;
     the per-microbatch losses from the output and target cut along `chunk_dim`. `kwargs`: the model's
     other inputs for the whole batch (attention_mask, position_ids); a model that returns a tuple or
     a transformers ModelOutput is read as its first element (the logits). `autocast`: the forward
     runs under torch.autocast with that dtype, as the pipelined step's did. The model is copied
-    (`noise.reference_copy`: a forward replaced on an instance runs on the copy's parameters)."""
-    ref = reference_copy(model).to(device)
+    (`noise.reference_copy`: a forward replaced on an instance runs on the copy's parameters); `copied`:
+    `model` is already such a copy of the caller's own (float64_reference's), run as it is."""
+    ref = (model if copied else reference_copy(model)).to(device)
     ref.zero_grad(set_to_none=True)
     kwargs = kwargs or {}
     if loss_fn is None:
@@ -69,7 +70,7 @@ def float64_reference(model: nn.Module, x, y, n_microbatches: int, loss_fn=None,
     try:
         model64 = reference_copy(model).double()
         return whole_batch_reference(model64, up(x), up(y), n_microbatches, loss_fn, device, chunk_dim,
-                                     {k: up(v) for k, v in (kwargs or {}).items()}, clip_grad_norm)
+                                     {k: up(v) for k, v in (kwargs or {}).items()}, clip_grad_norm, copied=True)
     except (RuntimeError, TypeError) as e:
         if why is not None:
             why.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -12,7 +12,8 @@ What it holds, at each checked step (every `every` steps), re-anchored on the we
 
 - the gradients the optimizer saw (read by a step pre-hook on the optimizer, after the user's clipping)
   against the unsplit model's on the whole batch from those weights (labkit.check.gradients: check_step's
-  three references and floors), up to ONE factor over every stage: clipping by the global norm (a factor
+  three references and floors, each reference made by one rank and its gradients sent to the ranks that
+  hold them), up to ONE factor over every stage: clipping by the global norm (a factor
   <= 1); a factor per stage is clipping by a stage's own norm; gradients that are the step's plus the
   previous step's are gradients not zeroed; any other failure placed as check_step places it (what a
   stage received, the module where a stage's float64 replay departs: labkit.check.located);
@@ -96,6 +97,9 @@ class RunWatch:
         self.params = {s.stage_index: [(name, p) for _, name, p in stage_names(s, prefix_stage_index)] for s in stages}
         self.stage_of = {name: k for k, ps in self.params.items() for name, _ in ps}
         self.by_id = {id(p): name for ps in self.params.values() for name, p in ps}
+        names = [None] * dist.get_world_size(group)  # each rank's parameters: whom a reference's gradients go to
+        dist.all_gather_object(names, sorted(self.stage_of), group=group)
+        self.names_of = [set(n) for n in names]
         self.full = copy.deepcopy(full).to(self.device)
         self.report = RunReport(every=every)
         self._step: _Step | None = None
