@@ -41,6 +41,25 @@ def test_a_rank_without_room_gets_the_estimate(monkeypatch):
     assert fits.watch_too_large(full, [], 1, "cpu") == "" and fits.stages_too_large({0: full}, "cpu") == ""
 
 
+def test_with_slices_the_watch_holds_check_stages_need_not_the_whole_model(monkeypatch):
+    """slices= (a model no rank holds whole): on the device check_stages' need beside the rank's slices instead of
+    check_step's references and a copy of the whole model; on the host the same snapshots; refused with the
+    estimate, saying so."""
+    full = _big()
+    per_layer = 4096 * 4096 + 4096
+    own, slices = list(full[:28].parameters()), {0: full[:28]}
+    dev, host = fits.watch_need_bytes(None, own, every=4, slices=slices)
+    assert dev == fits.stages_need_bytes(slices) == 2 * 28 * per_layer * 4 + per_layer * 16
+    assert host == 28 * per_layer * 4 * (1 + 2 + 4 + 1)
+    assert fits.watch_need_bytes(None, own, 4, slices=slices, sixteen=True)[0] == fits.stages_need_bytes(slices, True)
+    monkeypatch.setattr(fits, "free_bytes", lambda device: 8 * 2 ** 30)
+    said = fits.watch_too_large(None, own, 4, "cpu", slices=slices)
+    assert said.startswith("watch_run needs at least 17.75 GiB of host memory (check_stages' references beside "
+                           "its slices, and each checked step's weights"), said
+    monkeypatch.setattr(fits, "free_bytes", lambda device: 32 * 2 ** 30)
+    assert fits.watch_too_large(None, own, 4, "cpu", slices=slices) == ""
+
+
 def test_drift_noise_or_the_first_step_beyond_its_floor():
     from labkit.check.runs import RunReport, StepRecord
 

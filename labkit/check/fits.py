@@ -12,9 +12,9 @@ machine (LOCAL_WORLD_SIZE: every rank runs its check at once).
 `check_stages` holds, beyond the slices the user built, one reference's gradients of them at a time (C's sums)
 and R's as it makes them, and T's float64 copy of one module with its gradients (float32 for a 16-bit step):
 `stages_need_bytes`, refused up front by `stages_too_large` as check_step is. `labkit.watch_run` holds check_step's
-references and its own copy of the unsplit model on the device, and on the host each checked step's anchor
-(the rank's weights and optimizer state) and the gradients of every step since it (`every` of them):
-`watch_too_large`, said before the run starts.
+references and its own copy of the unsplit model on the device (with slices=, check_stages' need beside the
+rank's slices instead), and on the host each checked step's anchor (the rank's weights and optimizer state) and
+the gradients of every step since it (`every` of them): `watch_too_large`, said before the run starts.
 
 A failed check_stages places the bug by replaying each stage in float64 beside its slice
 (labkit.check.boundaries): `replay_too_large` says before a replay starts when it cannot fit, and the
@@ -123,29 +123,36 @@ def stages_too_large(slices: dict, device, sixteen: bool = False) -> str:
             f"smaller configuration of the same code")
 
 
-def watch_need_bytes(full: torch.nn.Module, own: list, every: int, state_per_param: int = 2) -> tuple[int, int]:
+def watch_need_bytes(full: torch.nn.Module | None, own: list, every: int, state_per_param: int = 2,
+                     slices: dict | None = None, sixteen: bool = False) -> tuple[int, int]:
     """The run watch's bytes on a rank (a lower bound, activations aside): (on the device: check_step's
-    references and the watch's copy of the unsplit model `full`; on the host: for this rank's parameters
+    references and the watch's copy of the unsplit model `full`, or with `slices` (a model no rank holds
+    whole) check_stages' beside the rank's slices, `stages_need_bytes`; on the host: for this rank's parameters
     `own`, the anchor's weights and optimizer state (`state_per_param` tensors a parameter: Adam's two
     moments) and the gradients of every step since it, `every`, and of the step before)."""
     mine = sum(p.numel() * p.element_size() for p in own if p.is_floating_point())
+    host = mine * (1 + state_per_param + every + 1)
+    if slices is not None:
+        return stages_need_bytes(slices, sixteen), host
     copy = sum(p.numel() * p.element_size() for p in full.parameters())
-    return need_bytes(full) + copy, mine * (1 + state_per_param + every + 1)
+    return need_bytes(full) + copy, host
 
 
-def watch_too_large(full: torch.nn.Module, own: list, every: int, device, state_per_param: int = 2) -> str:
+def watch_too_large(full: torch.nn.Module | None, own: list, every: int, device, state_per_param: int = 2,
+                    slices: dict | None = None, sixteen: bool = False) -> str:
     """'' when the run watch fits on this rank; else why not, with its estimate (the host's part counted
     against the host's memory; on the CPU both against the same)."""
-    dev, host = watch_need_bytes(full, own, every, state_per_param)
+    dev, host = watch_need_bytes(full, own, every, state_per_param, slices, sixteen)
+    refs = ("check_stages' references beside its slices" if slices is not None else
+            "check_step's references and a copy of the unsplit model")
     on_gpu = torch.device(device).type == "cuda"
     free_dev, free_host = free_bytes(device), free_bytes("cpu")
     said = []
     if on_gpu and free_dev is not None and dev > free_dev:
-        said.append(f"{_size(dev)} on its GPU (check_step's references and a copy of the unsplit model) and it has "
-                    f"{_size(free_dev)} free")
+        said.append(f"{_size(dev)} on its GPU ({refs}) and it has {_size(free_dev)} free")
     need_host = host if on_gpu else dev + host
     if free_host is not None and need_host > free_host:
-        refs = "" if on_gpu else "the references and a copy of the unsplit model, and "
+        refs = "" if on_gpu else refs + ", and "
         said.append(f"{_size(need_host)} of host memory ({refs}each checked step's weights and optimizer state and "
                     f"the gradients of the {every} steps since it, kept on the host) and it has {_size(free_host)} "
                     f"{_where('cpu')}")

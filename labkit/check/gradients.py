@@ -6,7 +6,7 @@ stage received, the module a stage's float64 replay departs at: labkit.check.loc
 against the reference's, with its floor (the drift's yardstick). Used by `labkit.watch_run`
 (labkit.check.watch), `w` its RunWatch.
 
-May import: torch, labkit.check (noise, reference, calls, boundaries, located, update)."""
+May import: torch, labkit.check (noise, reference, calls, boundaries, located, update, stagewise)."""
 
 from __future__ import annotations
 
@@ -29,20 +29,23 @@ def judge_grads(w, st, weights: dict, rec: StepRecord, live: bool = True):
     """The gradients the optimizer saw against the unsplit model's from `weights`, up to one factor; a
     failure none of the factors explains placed as check_step places it (`_locate`). `live`: the step
     just ended (what each stage received is this step's), not one replayed since the last good check."""
-    gathered = [None] * dist.get_world_size(w.group)
-    dist.all_gather_object(gathered, weights, group=w.group)
-    state = {n: t for part in gathered for n, t in part.items()}
-    with torch.no_grad():
-        for n, p in w.full.named_parameters():
-            if n in state:
-                p.copy_(state[n].to(p.device, p.dtype))
     x = st.x.to(w.device) if torch.is_tensor(st.x) else st.x
     y = st.y.to(w.device) if torch.is_tensor(st.y) else st.y
     kw = {k: v.to(w.device) if torch.is_tensor(v) else v for k, v in st.kwargs.items()}
-    c = _Call(w.full, w.stages, x, y, [], w.n_microbatches, w.loss_fn, None, w.prefix, None, (),
-              None, w.device, w.chunk_dim, w.group, kw or None, {}, {}, None, w.autocast)
-    ref, probe, truth = _references_shared(w, c)
-    w._noise = _noise(w, ref, probe, truth)
+    if w.slices is not None:  # a model no rank holds whole: check_stages' chains
+        c, ref, probe, truth = _slice_references(w, st, weights, x, y, kw)
+    else:
+        gathered = [None] * dist.get_world_size(w.group)
+        dist.all_gather_object(gathered, weights, group=w.group)
+        state = {n: t for part in gathered for n, t in part.items()}
+        with torch.no_grad():
+            for n, p in w.full.named_parameters():
+                if n in state:
+                    p.copy_(state[n].to(p.device, p.dtype))
+        c = _Call(w.full, w.stages, x, y, [], w.n_microbatches, w.loss_fn, None, w.prefix, None, (),
+                  None, w.device, w.chunk_dim, w.group, kw or None, {}, {}, None, w.autocast)
+        ref, probe, truth = _references_shared(w, c)
+        w._noise = _noise(w, ref, probe, truth)
     # one factor over every stage: <g, R> / <R, R>, per stage and over all
     dots = {}
     for k, ps in w.params.items():
@@ -164,16 +167,21 @@ def _locate(w, c, weights: dict, figures: list, said: str, live: bool) -> tuple[
         k = int(s.stage_index)
         values[k] = {(key.split(".", 1)[1] if w.prefix else key): weights[name].to(p.device, p.dtype)
                      for key, name, p in stage_names(s, w.prefix) if name in weights}
-    c = dataclasses.replace(c, values=values)
     try:
-        fed = located.fed_wrong(c.stages, c.x, c.kwargs, c.n_microbatches, c.chunk_dim, c.group) if live \
-            else ([], set())
-        departures, boundary = located.localise_full(c)
+        if w.slices is not None:  # each stage replayed against its slice, on T's input at its cut (check_stages')
+            out = {}
+            where = located.located_stages(c, c.cuts, list(figures), said, values=values, live=live, out=out)
+            fed, departures = out["fed"], out["departures"]
+        else:
+            c = dataclasses.replace(c, values=values)
+            fed = located.fed_wrong(c.stages, c.x, c.kwargs, c.n_microbatches, c.chunk_dim, c.group) if live \
+                else ([], set())
+            departures, boundary = located.localise_full(c)
+            where = located.say(departures, figures + boundary, said, fed=fed)
     except CheckStepError:
         raise
     except Exception as e:  # noqa: BLE001  (the verdict stands; where, untold)
         return None, f"{said}; where could not be told ({type(e).__name__}: {e})"
-    where = located.say(departures, figures + boundary, said, fed=fed)
     if not live:
         where += " (what each stage received is kept for the last step only: not compared for this one)"
     placed = sorted((fed or ([], set()))[1]) or sorted(d.stage for d in departures if d.what != "unreplayed")
@@ -187,12 +195,39 @@ def _loss_figures(w, st, ref, probe, truth) -> list[dict]:
     if last is None or not st.losses or len(st.losses) != len(ref.losses):
         return []
     f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    dtype = next(w.full.parameters()).dtype
+    dtype = next((w.full if w.full is not None else w.slices[last]).parameters()).dtype
     t = truth.losses if truth else [None] * len(st.losses)
     rows = list(zip(st.losses, ref.losses, probe.losses, t)) + [
         tuple(None if None in v else sum(v) / len(v) for v in (st.losses, ref.losses, probe.losses, t))]
     return [figure("loss", str(i) if i < len(st.losses) else "mean", last, f64(a), f64(r), f64(q), 1, dtype,
                    None if u is None else f64(u)).as_dict() for i, (a, r, q, u) in enumerate(rows)]
+
+
+def _slice_references(w, st, weights: dict, x, y, kw: dict):
+    """With slices= (a model no rank holds whole): each rank's slices re-anchored on its stages' weights at the
+    step's begin (`weights`), then check_stages' three chains along the pipeline (labkit.check.stagewise:
+    each rank runs only its slices, activations and their gradients sent between ranks, within check_stages'
+    memory), read as the full model's references are read: R's gradient of each of this rank's parameters,
+    max|C - R| and max|T - R| (`w._noise`), the losses (R's on every rank). Collective. Returns (the chains'
+    run, whose T cuts a failure's replay reads, R, C, T)."""
+    from .stagewise import _agree, _Run, references
+
+    with torch.no_grad():
+        for n, p in w.slice_of.items():
+            if n in weights:
+                p.copy_(weights[n].to(p.device, p.dtype))
+    run = _Run(w.slices, list(w.stages), x, y, list(st.losses), w.n_microbatches, w.loss_fn, w.autocast, kw,
+               torch.device(w.device), w.chunk_dim, w.group)
+    _agree(run)
+    refs = references(run)
+    R, C, T = refs["R"], refs["C"], refs["T"]
+    run.cuts = T.cuts
+    keys = {n: key for n, key in w.slice_key.items() if key in R.grads}
+    w._noise = {n: (C.diffs.get(key, 0.0), T.diffs.get(key)) for n, key in keys.items()}
+    losses = [None] * dist.get_world_size(w.group)
+    dist.all_gather_object(losses, (R.losses, C.losses, T.losses), group=w.group)
+    r, c, t = next((v for v in losses if v[0]), ([], [], []))
+    return run, Reference(r, {n: R.grads[key] for n, key in keys.items()}), Reference(c), Reference(t)
 
 
 def _noise(w, ref, probe, truth) -> dict[str, tuple[float, float | None]]:

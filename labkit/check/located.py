@@ -301,15 +301,20 @@ def _cut64(run, cut: Cut, last: bool) -> Cut:
     return Cut(to64(cut.a_in), {n: to64(v) for n, v in cut.kwargs.items()}, None, to64(cut.grad_out), loss)
 
 
-def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
+def located_stages(run, cuts: dict, figures: list[Figure], said: str, *, values: dict | None = None,
+                   live: bool = True, out: dict | None = None) -> str:
     """check_stages' failure localised (its `_Run` run; `cuts`: {stage: T's Cut there}): each of this rank's
     stages replayed in float64 on T's input at its cut, against its slice in float64 (collective: every
     rank gets every departure), after what each stage received against the reference's cut
-    (labkit.check.inputs). A replay that cannot fit on the rank is said, not run (labkit.check.fits)."""
+    (labkit.check.inputs). A replay that cannot fit on the rank is said, not run (labkit.check.fits).
+    `values`: {stage: {name in its module: tensor}}, the stages' parameters at the step where they moved on
+    since (the run watch's, after the optimizer's step); `live` False: what each stage received is not this
+    step's (not compared); `out` (a dict) gets "fed" and "departures" (every rank's)."""
     from .fits import replay_too_large
     from .lean import copy64
 
-    fed = fed_wrong(run.stages, run.x, run.kwargs, run.n_microbatches, run.chunk_dim, run.group)
+    fed = fed_wrong(run.stages, run.x, run.kwargs, run.n_microbatches, run.chunk_dim, run.group) if live \
+        else ([], set())
     deps, figs = [], []
     for s in run.stages:
         k = int(s.stage_index)
@@ -335,11 +340,14 @@ def located_stages(run, cuts: dict, figures: list[Figure], said: str) -> str:
         pairs = [(n, canonical(n)) for n, _ in s.submod.named_parameters()]
         truth_grads = {canonical(n): p.grad for n, p in ref64.named_parameters() if p.grad is not None}
         try:
-            dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads)
+            dep, f = replay_stage(k, s.submod, name_map(s.submod, pairs), cut, rec, truth_grads,
+                                  values=(values or {}).get(k))
         except Exception as e:  # noqa: BLE001  (a stage the replay cannot hold: said, never raised)
             dep, f = Departure(k, "unreplayed", "", detail=_why(e)), []
         deps += [dep] if dep is not None else []
         figs += f
     departures, boundary = gathered(deps, figs, run.group)
     figures += boundary
+    if out is not None:
+        out.update(fed=fed, departures=departures)
     return say(departures, figures, said, "its slice of the unsplit model", fed=fed)

@@ -60,6 +60,13 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
     run = _Run(dict(slices), list(stages), x, y, list(losses or []), n_microbatches, loss_fn, autocast,
                kwargs or {}, torch.device(device), chunk_dim, group)
     _agree(run)
+    return _decide(run, references(run))
+
+
+def references(run: _Run) -> dict[str, _Chain]:
+    """The three chains of an agreed `run` (`_agree`), collective: {"C", "R", "T"}, each rank holding what its
+    slices give (R's gradients, C's and T's differences from them, the losses on the last stage's rank, T's cuts).
+    check_stages' and the run watch's with slices= (labkit.check.gradients)."""
     # C first, its gradients summed; R reads each of them against its own as it makes it and frees it, so that
     # a rank never holds two references' gradients at once (labkit.check.lean; bench/RESULTS.md)
     refs = {"C": _chain(run, "C")}
@@ -75,7 +82,7 @@ def check_stages(slices: dict[int, nn.Module], stages, x, y, losses, n_microbatc
         refs["R"].mb0.clear()
     refs["T"] = _chain(run, "T", against=refs["R"])
     give_back()
-    return _decide(run, refs)
+    return refs
 
 
 @dataclass

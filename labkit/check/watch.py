@@ -1,6 +1,7 @@
 """A run, not a step: `labkit.watch_run`, the first step where a training run went wrong, its optimizer included.
 
     watch = labkit.watch_run(stages, optimizer, loss_fn, n_microbatches, full=model, every=1)
+    # or, for a model no rank holds whole: slices={stage_index: this rank's slice of the unsplit model}
     for step in range(n):
         watch.begin(x, y)      # the whole batch of this step
         ...                    # the user's own step: schedule.step, clipping, optimizer.step, lr scheduler, zero_grad
@@ -28,11 +29,20 @@ weights unchanged between steps. Between checks the watch keeps, on the host, ea
 gradients its optimizer saw; when a check fails it replays from the last good check (its weights and
 optimizer state kept on the host), step by step, and names the exact first wrong step.
 
-Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
-weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: `slices=`
-(models no rank holds whole), tied weights.
+With `slices=` (a model no rank holds whole, as labkit.check_stages takes it: each rank passes only its
+slices, built as the unsplit model's layers are, never the stage modules) a check re-anchors each rank's slices
+on its stages' weights at `begin` (the watch sets their values from then on) and runs check_stages' three
+chains along the pipeline (labkit.check.stagewise.references: each rank only its slices, activations and
+their gradients sent between the ranks), read as the full model's references are; the update is judged per
+stage as with full=, and a gradient failure is placed by check_stages' float64 replay of each stage against
+its slice. The watch then holds no copy of the model: on a rank, check_stages' need beside its slices, and on
+the host the snapshots above (labkit.check.fits.watch_need_bytes). The last stage's rank must pass its losses
+to `end`, as check_stages needs them.
 
-May import: torch, labkit.check (gradients, calls, boundaries, update, runs, fits)."""
+Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
+weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: tied weights.
+
+May import: torch, labkit.check (gradients, calls, boundaries, update, runs, fits, noise, stagewise)."""
 
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ import torch.nn as nn
 from . import fits, gradients
 from . import update as upd
 from .boundaries import stage_names
+from .noise import canonical
 from .calls import CheckStepError
 from .runs import Drift, RunReport, StepRecord, plot_run  # noqa: F401  (this API's)
 
@@ -78,29 +89,46 @@ class RunWatch:
                  group=None, prefix_stage_index: bool | None = None, device=None):
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         problems = []
-        if full is None or slices is not None:
-            problems.append("watch_run needs full= (the unsplit model, its initial weights) on every rank; slices= "
-                            "(models no rank holds whole) is not supported yet: check single steps with "
-                            "labkit.check_stages")
+        if (full is None) == (slices is None):
+            problems.append("watch_run needs the unsplit model on every rank: whole (full=, with its initial weights), "
+                            "or, for a model no rank holds whole, this rank's slices of it (slices={stage_index: "
+                            "that stage's slice}, as labkit.check_stages takes them): pass one of the two")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             problems.append(f"every must be a whole number >= 1 (check every k-th step), got {every!r}")
         if problems:  # from the arguments alone: the same on every rank, before any collective
             raise CheckStepError("; ".join(problems))
-        self._fits(full, stages, optimizer, every, group, device)
         self.stages, self.optimizer, self.loss_fn, self.n_microbatches = stages, optimizer, loss_fn, n_microbatches
         self.every, self.chunk_dim, self.autocast, self.group = every, chunk_dim, autocast, group
         self.device = device if device is not None else (stages[0].device if stages else "cpu")
-        if prefix_stage_index is None:
+        self.slices = dict(slices) if slices is not None else None
+        self._fits(full, stages, optimizer, every, group, device)
+        # each rank's stages' parameter names, gathered: whom a reference's gradients go to, and (slices=) whether
+        # two stages name theirs alike (each built from one block class): then each name is prefixed by its stage
+        held = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, {int(s.stage_index): [n for n, _ in s.submod.named_parameters()] for s in stages},
+                               group=group)
+        if prefix_stage_index is None and full is not None:
             names = {n for n, _ in full.named_parameters()}
             prefix_stage_index = not all(k in names for s in stages for k, _, _ in stage_names(s, False))
+        elif prefix_stage_index is None:
+            every_name = [canonical(n) for h in held for ns in h.values() for n in ns]
+            prefix_stage_index = len(set(every_name)) < len(every_name)
         self.prefix = prefix_stage_index
+        named = lambda k, n: canonical(f"{k}.{n}" if prefix_stage_index else n)  # noqa: E731  (stage_names')
+        self.names_of = [{named(k, n) for k, ns in h.items() for n in ns} for h in held]
         self.params = {s.stage_index: [(name, p) for _, name, p in stage_names(s, prefix_stage_index)] for s in stages}
         self.stage_of = {name: k for k, ps in self.params.items() for name, _ in ps}
         self.by_id = {id(p): name for ps in self.params.values() for name, p in ps}
-        names = [None] * dist.get_world_size(group)  # each rank's parameters: whom a reference's gradients go to
-        dist.all_gather_object(names, sorted(self.stage_of), group=group)
-        self.names_of = [set(n) for n in names]
-        self.full = copy.deepcopy(full).to(self.device)
+        self.full = copy.deepcopy(full).to(self.device) if full is not None else None
+        if self.slices is not None:  # each name's (stage, name in its slice) and the slice's parameter it re-anchors
+            self.slice_key, self.slice_of = {}, {}
+            for s in stages:
+                k = int(s.stage_index)
+                theirs = dict(self.slices[k].named_parameters())
+                theirs = {canonical(n): p for n, p in theirs.items()}
+                for n, _ in s.submod.named_parameters():
+                    self.slice_key[named(k, n)] = (k, canonical(n))
+                    self.slice_of[named(k, n)] = theirs[canonical(n)]
         self.report = RunReport(every=every)
         self._step: _Step | None = None
         self._pending: list[_Step] = []   # since the last good check (its step first)
@@ -112,19 +140,31 @@ class RunWatch:
         self._hooks = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _fits(self, full, stages, optimizer, every: int, group, device) -> None:
-        """Refused up front, as check_step refuses, when the watch cannot fit on a rank (labkit.check.fits): every
-        rank's estimate gathered by one collective, the same CheckStepError on every rank."""
+        """Refused up front, as check_step refuses, when the watch cannot fit on a rank (labkit.check.fits), and,
+        with slices=, when a rank's slices do not match its stages (check_stages' words): every rank's report
+        gathered by one collective, the same CheckStepError on every rank."""
         own = [p for s in stages for p in s.submod.parameters()]
         n_state = max((len([v for v in st.values() if torch.is_tensor(v) and v.dim()])
                        for st in optimizer.state.values()), default=2)  # Adam's two moments before the first step
         dev = device if device is not None else (stages[0].device if stages else "cpu")
-        mine = fits.watch_too_large(full, own, every, dev, n_state)
+        problems, sixteen = [], False
+        if self.slices is not None:
+            from .stagewise import _Run, _sixteen, _slice_problems
+
+            run = _Run(self.slices, stages, None, None, [], self.n_microbatches, self.loss_fn, self.autocast, {},
+                       torch.device(dev), self.chunk_dim, group)
+            problems, sixteen = _slice_problems(run), _sixteen(run)
+        too_large = fits.watch_too_large(full, own, every, dev, n_state, self.slices, sixteen)
         said = [None] * dist.get_world_size(group)
-        dist.all_gather_object(said, mine, group=group)
+        dist.all_gather_object(said, (full is None, problems, too_large), group=group)
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(said))]
-        first = next((f"rank {ranks[r]}: {s}" for r, s in enumerate(said) if s), "")
-        if first:
-            raise CheckStepError("watch_run cannot watch this run (the same on every rank of the pipeline): " + first)
+        found = [f"rank {ranks[r]}: {p}" for r, (_, ps, _) in enumerate(said) for p in ps]
+        found += [f"rank {ranks[r]}: {t}" for r, (_, _, t) in enumerate(said) if t][:1]
+        if len({sliced for sliced, _, _ in said}) > 1:
+            found.insert(0, "some ranks passed full= and others slices=: pass the same one on every rank")
+        if found:
+            raise CheckStepError("watch_run cannot watch this run (the same on every rank of the pipeline): "
+                                 + "; ".join(found))
 
     # -- the user's two calls -------------------------------------------------------------------------------
     def begin(self, x, y=None, **kwargs) -> None:
@@ -319,7 +359,12 @@ def watch_run(stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module |
     `watch.end(losses)` around each step; `watch.report` names the first wrong step, its stage and what went wrong (the
     gradients or the update), and gives each step's loss and distance from the re-anchored reference.
     `every`: check every k-th step (the others fingerprinted; a failed check replays from the last good one,
-    so the exact step is still named). Keywords: chunk_dim, autocast, group, prefix_stage_index, device.
-    A run the watch cannot fit on a rank (its references, its host snapshots: labkit.check.fits) is refused
-    up front with the estimate, the same CheckStepError on every rank."""
+    so the exact step is still named). `full`: the unsplit model with its initial weights, on every rank; or
+    `slices`: {stage_index: this rank's slice of the unsplit model} for each stage it holds (a model no rank
+    holds whole: the checks run check_stages' chains; with the same names for two stages' parameters, as
+    blocks of one class have, the names the watch says are prefixed by their stage unless prefix_stage_index
+    says otherwise). Keywords: chunk_dim, autocast, group, prefix_stage_index, device. A run the watch cannot
+    fit on a rank (its references, its host snapshots: labkit.check.fits), or slices that do not match their
+    stages, are refused up front with the estimate or check_stages' words, the same CheckStepError on every
+    rank."""
     return RunWatch(stages, optimizer, loss_fn, n_microbatches, full, slices=slices, every=every, **kwargs)
