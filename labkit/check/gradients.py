@@ -35,17 +35,7 @@ def judge_grads(w, st, weights: dict, rec: StepRecord, live: bool = True):
     if w.slices is not None:  # a model no rank holds whole: check_stages' chains
         c, ref, probe, truth = _slice_references(w, st, weights, x, y, kw)
     else:
-        gathered = [None] * dist.get_world_size(w.group)
-        dist.all_gather_object(gathered, weights, group=w.group)
-        state = {n: t for part in gathered for n, t in part.items()}
-        with torch.no_grad():
-            for n, p in w.full.named_parameters():
-                if n in state:
-                    p.copy_(state[n].to(p.device, p.dtype))
-        c = _Call(w.full, w.stages, x, y, [], w.n_microbatches, w.loss_fn, None, w.prefix, None, (),
-                  None, w.device, w.chunk_dim, w.group, kw or None, {}, {}, None, w.autocast)
-        ref, probe, truth = _references_shared(w, c)
-        w._noise = _noise(w, ref, probe, truth)
+        c, ref, probe, truth = _full_references(w, weights, x, y, kw)
     # one factor over every stage: <g, R> / <R, R>, per stage and over all
     dots = {}
     for k, ps in w.params.items():
@@ -201,6 +191,24 @@ def _loss_figures(w, st, ref, probe, truth) -> list[dict]:
         tuple(None if None in v else sum(v) / len(v) for v in (st.losses, ref.losses, probe.losses, t))]
     return [figure("loss", str(i) if i < len(st.losses) else "mean", last, f64(a), f64(r), f64(q), 1, dtype,
                    None if u is None else f64(u)).as_dict() for i, (a, r, q, u) in enumerate(rows)]
+
+
+def _full_references(w, weights: dict, x, y, kw: dict):
+    """With full=: the watch's copy of the unsplit model set to every rank's weights at the step's begin
+    (gathered), then check_step's three references, shared out over the ranks (`_references_shared`), and each
+    of this rank's gradients' max|C - R| and max|T - R| (`w._noise`). Collective. Returns (the call, R, C, T)."""
+    gathered = [None] * dist.get_world_size(w.group)
+    dist.all_gather_object(gathered, weights, group=w.group)
+    state = {n: t for part in gathered for n, t in part.items()}
+    with torch.no_grad():
+        for n, p in w.full.named_parameters():
+            if n in state:
+                p.copy_(state[n].to(p.device, p.dtype))
+    c = _Call(w.full, w.stages, x, y, [], w.n_microbatches, w.loss_fn, None, w.prefix, None, (),
+              None, w.device, w.chunk_dim, w.group, kw or None, {}, {}, None, w.autocast)
+    ref, probe, truth = _references_shared(w, c)
+    w._noise = _noise(w, ref, probe, truth)
+    return c, ref, probe, truth
 
 
 def _slice_references(w, st, weights: dict, x, y, kw: dict):
