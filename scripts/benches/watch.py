@@ -7,10 +7,10 @@ clipping): the step the watch names (found by replaying from the good check at s
 step that leaves nothing in the fingerprints (its gradients alone wrong) is not seen with every=10: measured
 2026-12-06, the first version of this bench planted such a one-off bug and the watch did not name it. Also RESULTS.md's
 section for it, with the load average at the start and after each pair (another job on the machine slows the two
-runs of a pair unequally). Measured 2026-12-06: 1.87x (1.79-1.90) on a quiet machine while every rank made all three
-references of each check; 1.68x (1.60-1.75) at a load average of 3-4 (1.48x, 1.33-1.62, at 2-4) once each
-reference is made by one rank (labkit.check.gradients.owners): a check then costs about the float64 reference of
-the whole model on one rank; the 1.5x aim is not shown met (docs/live-ranks.md, "The run watch")."""
+runs of a pair unequally). Measured 2026-12-06 on a quiet machine: 1.87x (1.79-1.90) while every rank made all
+three references of each check; 1.63x (1.62-1.69, load average 1.1-1.6) once each reference is made by one rank
+(labkit.check.gradients.owners): a check then costs about the float64 reference of the whole model on one rank,
+and the 1.5x aim is not met (docs/live-ranks.md, "The run watch")."""
 
 from __future__ import annotations
 
