@@ -132,8 +132,9 @@ def _references_shared(w, c) -> tuple[Reference, Reference, Reference | None]:
         except Exception:  # noqa: BLE001
             failed = RuntimeError(f"{type(failed).__name__}: {failed}")
     send = {"error": failed} if failed is not None else {
-        r: {j: None if ref is None else (ref.losses, {n: ref.grads[n] for n in w.names_of[r] if n in ref.grads},
-                                         ref.dropped) for j, ref in made.items()}
+        # on the host: a CUDA tensor pickled to another rank would land on this rank's device there
+        r: {j: None if ref is None else (ref.losses, {n: ref.grads[n].detach().cpu() for n in w.names_of[r]
+                                                      if n in ref.grads}, ref.dropped) for j, ref in made.items()}
         for r in range(world) if r != me}
     parts = [None] * world
     dist.all_gather_object(parts, send, group=w.group)
