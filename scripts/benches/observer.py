@@ -121,7 +121,7 @@ def _busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def observer(pairs: int = 4, compiled_pairs: int = 2, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
+def observer(pairs: int = 4, compiled_pairs: int = 4, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
     """The kit's step and peak memory over plain torchrun's: launched eager and compiled, live ranks eager."""
     import labkit
 
