@@ -86,6 +86,15 @@ def scenario(bug=None, at=0, every=1, n=20, on=1):
                 if not (bug == "resume-no-state" and mine):
                     opt.load_state_dict(saved[0])
                 lrs.load_state_dict(saved[1])
+            if bug == "state-rewritten" and step == at:  # loaded again in place, the same values (as dcp.load)
+                for v in (v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)):
+                    v.copy_(v.clone())
+            if bug == "state-zeroed" and step == at and mine:
+                for s in opt.state.values():
+                    s["exp_avg"].zero_()
+            if bug == "weights-edited" and step == at and mine:
+                with torch.no_grad():
+                    next(mod.parameters()).mul_(1.001)
             watch.begin(x, y)
             if not (bug == "no-zero-grad" and step >= at and mine):
                 opt.zero_grad()
@@ -170,6 +179,11 @@ SCENARIOS = {
     "resume every 4": ("scenario('resume', 10, every=4)", None, None, ""),
     "resume without state every 4": ("scenario('resume-no-state', 10, every=4)", 10, 1,
                                      "optimizer state of stage 1"),
+    # the fingerprints are taken again only where a tensor was written since (labkit.versions.unchanged_token):
+    # a state written again with its own values holds, one zeroed in place or weights edited are named
+    "state written again in place": ("scenario('state-rewritten', 6, n=9, every=4)", None, None, ""),
+    "state zeroed in place at 6": ("scenario('state-zeroed', 6, n=9, every=4)", 6, 1, "optimizer state of stage 1"),
+    "weights edited at 5": ("scenario('weights-edited', 5, n=7, every=4)", 5, 1, "changed between"),
 }
 
 

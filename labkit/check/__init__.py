@@ -19,8 +19,8 @@
 
 Runs inside the ranks (a job's, or live ranks' cells). Taught in notebook 09b.
 
-May import: labkit.core (lazy exports), labkit.spans (received, compiled), labkit.worker (distributed,
-shared). Never the launching side (labkit.launching).
+May import: labkit.core (lazy exports), labkit.versions (unchanged_token), labkit.spans (received,
+compiled), labkit.worker (distributed, shared). Never the launching side (labkit.launching).
 """
 
 from ..core import exports as _exports

@@ -6,12 +6,14 @@ as labkit.check.noise measures a gradient's). Used by `labkit.watch_run` (labkit
 Also the fingerprints the run watch keeps of every step between its checks: a state's or a weight's
 float64 sum and its dot with a fixed random sign vector, cheap enough for every step.
 
-May import: torch, labkit.check (noise)."""
+May import: torch, labkit.versions, labkit.check (noise)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from labkit.versions import float64_norms, unchanged_token
 
 from .noise import NOISE_MULTIPLE, figure
 
@@ -105,9 +107,38 @@ def print_of(t: torch.Tensor) -> tuple[float, float, float]:
     return float(flat.sum()), float(flat @ _signs(flat.numel(), flat.device)), float(flat.norm())
 
 
-def state_print(state: dict) -> tuple:
-    """An optimizer state's fingerprint: each entry's name and its `print_of` (a number as is)."""
-    return tuple(sorted((k, print_of(v) if torch.is_tensor(v) else v) for k, v in state.items()))
+def state_prints(states: list[dict]) -> list[tuple]:
+    """Each optimizer state's fingerprint: its entries' names, each tensor's float64 norm (all of them in ONE
+    call: labkit.versions.float64_norms), a number as is. The same values give the same numbers bit for bit
+    (a state lost, cleared, zeroed or built again does not); the norm alone, as the watch fingerprints every
+    state at every step (bench/RESULTS.md, "The run watch")."""
+    tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
+    norms = iter(torch.stack(float64_norms(tensors)).tolist() if tensors else [])
+    return [tuple(sorted((k, next(norms)) if torch.is_tensor(v) else (k, v) for k, v in st.items()))
+            for st in states]
+
+
+def held_state(state: dict) -> tuple[dict, dict]:
+    """An optimizer state as it stands: its entries (the tensors themselves, held) and each tensor's
+    `unchanged_token`, for `same_state` at the next step."""
+    return dict(state), {k: unchanged_token(v) for k, v in state.items() if torch.is_tensor(v)}
+
+
+def same_state(held: tuple[dict, dict] | None, state: dict) -> bool:
+    """True where `state` is the held one untouched: the same entries, the same tensor objects, none written
+    since (their tokens equal; a token that cannot be read: not known, False)."""
+    if not held:
+        return False
+    entries, tokens = held
+    if entries.keys() != state.keys():
+        return False
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            if v is not entries[k] or tokens.get(k) is None or unchanged_token(v) != tokens[k]:
+                return False
+        elif not same_value(v, entries[k]):
+            return False
+    return True
 
 
 def same_print(a, b) -> bool:

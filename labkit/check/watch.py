@@ -22,8 +22,9 @@ What it holds, at each checked step (every `every` steps), re-anchored on the we
   gradients it saw, its state and the hyperparameters in effect, in the parameters' dtype and in float64
   (the floor), against what each stage's weights became.
 
-At EVERY step, from fingerprints (labkit.check.update.print_of): the optimizer's state against what the
-previous step left (lost or replaced state), the learning rate and every other hyperparameter of each param
+At EVERY step, from fingerprints (labkit.check.update: print_of, state_prints; taken again only where a tensor
+was written since, labkit.versions.unchanged_token): the optimizer's state against what the previous step
+left (lost or replaced state), the learning rate and every other hyperparameter of each param
 group the same on every stage (a scheduler stepped once more on one rank), optimizer.step called once, the
 weights unchanged between steps. Between checks the watch keeps, on the host, each step's batch and the
 gradients its optimizer saw; when a check fails it replays from the last good check (its weights and
@@ -42,7 +43,7 @@ to `end`, as check_stages needs them.
 Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
 weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: tied weights.
 
-May import: torch, labkit.check (gradients, calls, boundaries, update, runs, fits, noise, stagewise)."""
+May import: torch, labkit.versions, labkit.check (gradients, calls, boundaries, update, runs, fits, noise, stagewise)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ from . import update as upd
 from .boundaries import stage_names
 from .noise import canonical
 from .calls import CheckStepError
+from labkit.versions import unchanged_token
+
 from .runs import Drift, RunReport, StepRecord, plot_run  # noqa: F401  (this API's)
 
 
@@ -77,6 +80,8 @@ class _Step:
     s_pre: dict = field(default_factory=dict)            # name -> state fingerprint before the update
     s_post: dict = field(default_factory=dict)           # name -> state fingerprint after it
     after: dict = field(default_factory=dict)            # name -> fingerprint of the weights after the step
+    w_tokens: dict = field(default_factory=dict)         # name -> the weights' unchanged_token after the step
+    s_held: dict = field(default_factory=dict)           # name -> the state after the update, held (upd.held_state)
     calls: int = 0
     losses: list = field(default_factory=list)
 
@@ -172,7 +177,13 @@ class RunWatch:
         self._t += 1
         host = lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
         st = _Step(self._t, host(x), host(y), {k: host(v) for k, v in kwargs.items()})
-        st.w_print = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
+        # the weights untouched since the previous step's end (the same storage, no write since): its
+        # fingerprints are theirs, bit for bit, and not taken again
+        last, tokens = self._last, {n: unchanged_token(p) for ps in self.params.values() for n, p in ps}
+        if last is not None and last.after and None not in tokens.values() and tokens == last.w_tokens:
+            st.w_print = last.after
+        else:
+            st.w_print = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
         if self._checked(self._t):  # a check's anchor: kept on the host until the next good check
             st.weights = {n: p.detach().to("cpu", copy=True) for ps in self.params.values() for n, p in ps}
         self._step = st
@@ -184,12 +195,15 @@ class RunWatch:
             raise CheckStepError("watch.end() without watch.begin(x, y) before it in this step")
         st.losses = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in (losses or [])]
         st.after = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
+        st.w_tokens = {n: unchanged_token(p) for ps in self.params.values() for n, p in ps}
         done = self.report.first_wrong_step is not None
         mine = self._cheap(st)
         gathered = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, mine, group=self.group)
         rec = self._record(st, gathered)
         st.prev_seen = self._last.seen if self._last is not None else None
+        if self._last is not None:
+            self._last.s_held = {}  # the previous step's state tensors no longer held
         self._step, self._last = None, st
         if done:
             return
@@ -216,11 +230,20 @@ class RunWatch:
         st.groups = [upd.hyper(g) for g in opt.param_groups]
         st.group_of = {self.by_id[id(p)]: i for i, g in enumerate(opt.param_groups) for p in g["params"]
                        if id(p) in self.by_id}
+        last = self._last
+        held = last.s_held if last is not None and last.s_post else {}
+        again = {}
         for ps in self.params.values():
             for n, p in ps:
                 st.seen[n] = None if p.grad is None else p.grad.detach().to("cpu", copy=True)
                 state = opt.state.get(p, {})
-                st.s_pre[n] = upd.state_print(state)
+                # the same state tensors, untouched since the previous step's update: its fingerprint, not
+                # taken again; else taken and compared (a state loaded again with the same values holds)
+                if upd.same_state(held.get(n), state):
+                    st.s_pre[n] = last.s_post[n]
+                else:
+                    again[n] = state
+        st.s_pre.update(zip(again, upd.state_prints(list(again.values()))))
         if self._checked(st.step):
             st.states = {n: upd.host_state(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
 
@@ -228,7 +251,10 @@ class RunWatch:
         st = self._step
         if st is None or st.calls > 1 or not self._mine(opt):
             return
-        st.s_post = {n: upd.state_print(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
+        names = [n for ps in self.params.values() for n, _ in ps]
+        states = [opt.state.get(p, {}) for ps in self.params.values() for _, p in ps]
+        st.s_post = dict(zip(names, upd.state_prints(states)))
+        st.s_held = {n: upd.held_state(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
 
     def _mine(self, opt) -> bool:
         return any(id(p) in self.by_id for g in opt.param_groups for p in g["params"])
@@ -329,7 +355,7 @@ class RunWatch:
         for i, s in enumerate(pend[:-1]):
             if s.weights is not None:  # a snapshot re-anchors exactly
                 weights, states = s.weights, s.states
-            ok, stage, what, weights, states = self._judge(s, weights, states, after=pend[i + 1].w_print)
+            ok, stage, what, weights, states = self._judge(s, weights, states, after=s.after)
             self._mark(s.step, ok, stage, what)
             if not ok:
                 return

@@ -15,23 +15,17 @@ the one place to read (and to adapt) when torch changes. Supported and tested: t
   one release added are the features (`FEATURES`, `has(...)`). A lesson that depends on another
   package's release asks for its version itself (notebook 11: transformers 5.23 and 5.24). `dev.py
   test` runs what asks the table on both ends and on a middle release (leg 3, docs/tests.md).
-- The work-around (`apply_workarounds`, torch < 2.15): see below.
 - torch's private API: each use is a named function below (`stage_base_class`, `schedule_classes`,
   `wrap_p2p`, `schedule_state`, `runtime_with_order`, `planning_stages`, ...) whose docstring says which
   releases it covers; no other module of the kit imports a private torch name (test_torch_internals).
 
-The work-around ('Pair is not connected'): before a multi-stage schedule's first step, torch 2.11
-posts one warm-up send and receive between every pair of neighbouring stages, also when both stages
-live on the same rank, as in the V placement of ZBVZeroBubble and DualPipeV (rank 1 holds stages 1
-and 2) or with several stages on one rank (`--nproc 1`). gloo has no connection from a rank to itself,
-so the first step died with 'Pair is not connected'. The patch drops the warm-ups a rank would send to
-itself (they carry a dummy scalar; the runtime already moves tensors between two stages of one rank
-without sending them). torch 2.12 replaced that warm-up for `PipelineStage` (a vote that knows its own
-rank), but 2.12 to 2.14 keep it for the tracer's stages (`pipe.build_stage`): a traced model with
-several stages on one rank died the same way there (traced BERT and Llama). torch 2.15 removed it
-(`RELEASE_FACTS["self warm-up sends"]`). `worker.init_distributed` (every process the kit starts) and
-the kit's stage builders (`worker.stages.build_stages`, the transformers adapter) apply it: the kit's
-only answer to that error, for manual and traced stages alike.
+The work-around ('Pair is not connected'): torch 2.11 posts one warm-up send and receive between neighbouring
+stages before a multi-stage schedule's first step, also when both live on one rank (the V placement of
+ZBVZeroBubble and DualPipeV, `--nproc 1`); gloo has no connection from a rank to itself. The patch drops the
+warm-ups a rank would send to itself (a dummy scalar; the runtime moves tensors between two stages of one rank
+without sending them). 2.12 fixed it for `PipelineStage`, 2.12 to 2.14 keep it for the tracer's stages, 2.15
+removed it (`RELEASE_FACTS["self warm-up sends"]`). `worker.init_distributed` and the kit's stage builders
+(`worker.stages.build_stages`, the transformers adapter) apply it, for manual and traced stages alike.
 
 May import: nothing of labkit.
 """
@@ -42,7 +36,6 @@ import functools
 import re
 from .facts import RELEASE_FACTS, Fact  # noqa: F401  (the table of what each release does: versions/facts.py)
 from .ranges import RANGES, Range  # noqa: F401  (every dependency's supported range: versions/ranges.py)
-
 
 SUPPORTED = tuple(tuple(int(x) for x in v.split(".")) for v in (RANGES["torch"].floor, RANGES["torch"].newest))
 """The oldest and newest (major, minor) torch the kit is tested on (RANGES["torch"])."""
@@ -394,6 +387,15 @@ def float64_norms(tensors: list) -> list:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
     except (RuntimeError, TypeError):
         return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+
+
+def unchanged_token(t):
+    """(storage address, `_version`: bumped by every in-place op; private, the same in torch 2.11 to 2.15):
+    equal for one tensor object, it was not written since. None where unreadable (a subclass)."""
+    try:
+        return (t.data_ptr(), t._version)
+    except (RuntimeError, AttributeError, TypeError):
+        return None
 
 
 def clean_exit_is_done() -> None:
