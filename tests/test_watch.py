@@ -205,3 +205,18 @@ def test_each_checked_step_carries_its_loss_floor_and_stage_distances(pool):
         assert sorted(stages) == [0, 1] and all(e <= 2 * f for e, f in stages.values()), stages
     said = _run(pool, "LAST.drift([s.loss for s in LAST.steps]).text")
     assert said.startswith("noise: every step held") and "within its loss floor" in said, said
+
+
+def test_wire_shares_named_tensors_of_several_dtypes_from_one_rank(pool):
+    # labkit.check.wire: what the watch sends at a check (weights, references' gradients), one broadcast per dtype
+    got = pool.exec("""
+from labkit.check import wire
+g = torch.Generator().manual_seed(5)
+made = {"b.w": torch.randn(3, 4, generator=g), "a.t": torch.randn(5, generator=g, dtype=torch.float64),
+        "c.n": torch.arange(6).reshape(2, 3), "d.s": torch.randn((), generator=g)}
+meta = [None, None]
+dist.all_gather_object(meta, wire.layout(made) if rank == 1 else None)
+out = wire.share(None, 1, meta[1], made if rank == 1 else None, wire.wire_device(None, "cpu"))
+sorted(out) == sorted(made) and all(out[n].dtype == made[n].dtype and torch.equal(out[n], made[n]) for n in made)
+""")
+    assert got == {0: True, 1: True}, got

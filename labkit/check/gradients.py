@@ -6,7 +6,7 @@ stage received, the module a stage's float64 replay departs at: labkit.check.loc
 against the reference's, with its floor (the drift's yardstick). Used by `labkit.watch_run`
 (labkit.check.watch), `w` its RunWatch.
 
-May import: torch, labkit.check (noise, reference, calls, boundaries, located, update, stagewise)."""
+May import: torch, labkit.check (noise, reference, calls, boundaries, located, update, stagewise, wire)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from . import located
+from . import located, wire
 from . import update as upd
 from .boundaries import stage_names
 from .calls import CheckStepError, _Call
@@ -131,19 +131,24 @@ def _references_shared(w, c) -> tuple[Reference, Reference, Reference | None]:
             pickle.dumps(failed)
         except Exception:  # noqa: BLE001
             failed = RuntimeError(f"{type(failed).__name__}: {failed}")
+    others = {n for r in range(world) if r != me for n in w.names_of[r]}  # what the other ranks hold
+    sent = {j: None if ref is None else {n: g for n, g in ref.grads.items() if n in others} for j, ref in made.items()}
     send = {"error": failed} if failed is not None else {
-        # on the host: a CUDA tensor pickled to another rank would land on this rank's device there
-        r: {j: None if ref is None else (ref.losses, {n: ref.grads[n].detach().cpu() for n in w.names_of[r]
-                                                      if n in ref.grads}, ref.dropped) for j, ref in made.items()}
-        for r in range(world) if r != me}
+        j: None if ref is None else (ref.losses, ref.dropped, wire.layout(sent[j])) for j, ref in made.items()}
     parts = [None] * world
-    dist.all_gather_object(parts, send, group=w.group)
+    dist.all_gather_object(parts, send, group=w.group)  # what each made: its losses and its gradients' layout
     error = next((p["error"] for p in parts if "error" in p), None)
     if error is not None:
         raise error
-    for r, part in enumerate(parts):
-        if r != me:
-            made.update({j: None if v is None else Reference(v[0], v[1], dropped=v[2]) for j, v in part[me].items()})
+    device = wire.wire_device(w.group, w.device)
+    for job, r in owners(world).items():  # then each reference's gradients, flat, from the rank that made it
+        v = parts[r][job]
+        if v is None:
+            made[job] = None
+            continue
+        got = wire.share(w.group, r, v[2], sent[job] if r == me else None, device)
+        if r != me:  # on the host, as the watch reads them
+            made[job] = Reference(v[0], {n: g.cpu() for n, g in got.items() if n in w.names_of[me]}, dropped=v[1])
     return made["R"], made["C"], made["T"]
 
 
@@ -198,9 +203,12 @@ def _full_references(w, weights: dict, x, y, kw: dict):
     """With full=: the watch's copy of the unsplit model set to every rank's weights at the step's begin
     (gathered), then check_step's three references, shared out over the ranks (`_references_shared`), and each
     of this rank's gradients' max|C - R| and max|T - R| (`w._noise`). Collective. Returns (the call, R, C, T)."""
-    gathered = [None] * dist.get_world_size(w.group)
-    dist.all_gather_object(gathered, weights, group=w.group)
-    state = {n: t for part in gathered for n, t in part.items()}
+    metas = [None] * dist.get_world_size(w.group)
+    dist.all_gather_object(metas, wire.layout(weights), group=w.group)
+    device, me = wire.wire_device(w.group, w.device), dist.get_rank(w.group)
+    state = {}
+    for r, meta in enumerate(metas):  # each rank's weights, flat (labkit.check.wire)
+        state.update(wire.share(w.group, r, meta, weights if r == me else None, device))
     with torch.no_grad():
         for n, p in w.full.named_parameters():
             if n in state:

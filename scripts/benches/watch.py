@@ -8,9 +8,10 @@ step that leaves nothing in the fingerprints (its gradients alone wrong) is not 
 2026-12-06, the first version of this bench planted such a one-off bug and the watch did not name it. Also RESULTS.md's
 section for it, with the load average at the start and after each pair (another job on the machine slows the two
 runs of a pair unequally). Measured 2026-12-06 on a quiet machine: 1.87x (1.79-1.90) while every rank made all
-three references of each check; 1.63x (1.62-1.69, load average 1.1-1.6) once each reference is made by one rank
-(labkit.check.gradients.owners): a check then costs about the float64 reference of the whole model on one rank,
-and the 1.5x aim is not met (docs/live-ranks.md, "The run watch")."""
+three references of each check; 1.63x (1.62-1.69) once each reference is made by one rank
+(labkit.check.gradients.owners); 1.46x (1.46-1.48, load average 1.4-1.9) once fingerprints are taken again only
+where a tensor was written and the references' gradients travel as flat buffers (labkit.check.wire): a check
+then costs about the float64 reference of the whole model on one rank (docs/live-ranks.md, "The run watch")."""
 
 from __future__ import annotations
 
