@@ -43,7 +43,8 @@ to `end`, as check_stages needs them.
 Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
 weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: tied weights.
 
-May import: torch, labkit.versions, labkit.check (gradients, calls, boundaries, update, runs, fits, noise, stagewise)."""
+May import: torch, labkit.versions, labkit.check (gradients, calls, boundaries, update, runs, fits, noise,
+stagewise)."""
 
 from __future__ import annotations
 
