@@ -220,3 +220,33 @@ out = wire.share(None, 1, meta[1], made if rank == 1 else None, wire.wire_device
 sorted(out) == sorted(made) and all(out[n].dtype == made[n].dtype and torch.equal(out[n], made[n]) for n in made)
 """)
     assert got == {0: True, 1: True}, got
+
+
+@pytest.mark.parametrize("case", ["clean every 4", "lost state at 10", "no zero_grad from 8 every 4"])
+def test_the_update_replayed_in_pieces_gives_the_same_verdicts(pool, case):
+    # labkit.check.update.REPLAY_ELEMENTS: the update replayed a few parameters at a time (bounded memory at a
+    # check); here so small that most parameters are a piece of their own
+    call, step, stage, words = SCENARIOS[case]
+    pool.exec("import labkit.check.update as U; U.REPLAY_ELEMENTS, _kept = 600, U.REPLAY_ELEMENTS")
+    try:
+        ok, first, where, failure, _ = _run(pool, call)
+    finally:
+        pool.exec("U.REPLAY_ELEMENTS = _kept")
+    assert (first, where) == (step, stage) and ok == (step is None) and words in failure, (first, where, failure)
+
+
+def test_replay_chunks_keeps_each_group_and_name_in_order():
+    import torch
+
+    from labkit.check.update import replay_chunks
+
+    weights = {n: torch.zeros(s) for n, s in [("a", 3), ("b", 5), ("c", 2), ("d", 4), ("e", 1), ("f", 9)]}
+    import labkit.check.update as U
+
+    kept, U.REPLAY_ELEMENTS = U.REPLAY_ELEMENTS, 8
+    try:
+        got = replay_chunks({1: ["c", "d"], 0: ["a", "b"], 2: ["e", "f"]}, weights)
+    finally:
+        U.REPLAY_ELEMENTS = kept
+    # in order of group, then name; a piece closes before it would pass 8 elements; one larger than 8 alone
+    assert got == [([0], [["a", "b"]]), ([1, 2], [["c", "d"], ["e"]]), ([2], [["f"]])], got
