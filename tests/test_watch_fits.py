@@ -23,7 +23,10 @@ def test_the_estimates_in_bytes_a_parameter():
     own = list(full[:28].parameters())  # a rank holding half of it
     dev, host = fits.watch_need_bytes(full, own, every=10)
     assert dev == n * (3 * 4 + 16) + n * 4  # check_step's references and the watch's copy of the model
-    assert host == 28 * per_layer * 4 * (1 + 2 + 10 + 1)  # the anchor's weights, Adam's two moments, 11 gradients
+    # two anchors (the checked step's, the first step's after the last good check): weights and Adam's two
+    # moments each; 11 gradients
+    assert host == 28 * per_layer * 4 * (2 * (1 + 2) + 10 + 1)
+    assert fits.watch_need_bytes(full, own, every=1)[1] == 28 * per_layer * 4 * (1 + 2 + 1 + 1)
     slices = {0: full[:28]}
     assert fits.stages_need_bytes(slices) == 2 * 28 * per_layer * 4 + per_layer * 16
     assert fits.stages_need_bytes(slices, sixteen=True) == 2 * 28 * per_layer * 4 + per_layer * 8
@@ -50,13 +53,13 @@ def test_with_slices_the_watch_holds_check_stages_need_not_the_whole_model(monke
     own, slices = list(full[:28].parameters()), {0: full[:28]}
     dev, host = fits.watch_need_bytes(None, own, every=4, slices=slices)
     assert dev == fits.stages_need_bytes(slices) == 2 * 28 * per_layer * 4 + per_layer * 16
-    assert host == 28 * per_layer * 4 * (1 + 2 + 4 + 1)
+    assert host == 28 * per_layer * 4 * (2 * (1 + 2) + 4 + 1)
     assert fits.watch_need_bytes(None, own, 4, slices=slices, sixteen=True)[0] == fits.stages_need_bytes(slices, True)
     monkeypatch.setattr(fits, "free_bytes", lambda device: 8 * 2 ** 30)
     said = fits.watch_too_large(None, own, 4, "cpu", slices=slices)
-    assert said.startswith("watch_run needs at least 17.75 GiB of host memory (check_stages' references beside "
+    assert said.startswith("watch_run needs at least 23.01 GiB of host memory (check_stages' references beside "
                            "its slices, and each checked step's weights"), said
-    monkeypatch.setattr(fits, "free_bytes", lambda device: 32 * 2 ** 30)
+    monkeypatch.setattr(fits, "free_bytes", lambda device: 24 * 2 ** 30)
     assert fits.watch_too_large(None, own, 4, "cpu", slices=slices) == ""
 
 

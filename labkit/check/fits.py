@@ -128,10 +128,11 @@ def watch_need_bytes(full: torch.nn.Module | None, own: list, every: int, state_
     """The run watch's bytes on a rank (a lower bound, activations aside): (on the device: check_step's
     references and the watch's copy of the unsplit model `full`, or with `slices` (a model no rank holds
     whole) check_stages' beside the rank's slices, `stages_need_bytes`; on the host: for this rank's parameters
-    `own`, the anchor's weights and optimizer state (`state_per_param` tensors a parameter: Adam's two
-    moments) and the gradients of every step since it, `every`, and of the step before)."""
+    `own`, the anchors' weights and optimizer state (`state_per_param` tensors a parameter: Adam's two
+    moments): the checked step's, and with `every` > 1 the first step's after the last good check, and the
+    gradients of every step since it, `every`, and of the step before)."""
     mine = sum(p.numel() * p.element_size() for p in own if p.is_floating_point())
-    host = mine * (1 + state_per_param + every + 1)
+    host = mine * ((1 + state_per_param) * (1 if every == 1 else 2) + every + 1)
     if slices is not None:
         return stages_need_bytes(slices, sixteen), host
     copy = sum(p.numel() * p.element_size() for p in full.parameters())

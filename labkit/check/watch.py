@@ -27,8 +27,9 @@ was written since, labkit.versions.unchanged_token): the optimizer's state again
 left (lost or replaced state), the learning rate and every other hyperparameter of each param
 group the same on every stage (a scheduler stepped once more on one rank), optimizer.step called once, the
 weights unchanged between steps. Between checks the watch keeps, on the host, each step's batch and the
-gradients its optimizer saw; when a check fails it replays from the last good check (its weights and
-optimizer state kept on the host), step by step, and names the exact first wrong step.
+gradients its optimizer saw; when a check fails it replays from the first step after the last good check (its
+weights and optimizer state at its begin kept on the host), step by step, and names the exact first wrong step.
+A good check lets go of everything held before it but its own gradients (the next step's are held against them).
 
 With `slices=` (a model no rank holds whole, as labkit.check_stages takes it: each rank passes only its
 slices, built as the unsplit model's layers are, never the stage modules) a check re-anchors each rank's slices
@@ -137,7 +138,7 @@ class RunWatch:
                     self.slice_of[named(k, n)] = theirs[canonical(n)]
         self.report = RunReport(every=every)
         self._step: _Step | None = None
-        self._pending: list[_Step] = []   # since the last good check (its step first)
+        self._pending: list[_Step] = []   # the steps since the last good check (the first one an anchor)
         self._last: _Step | None = None   # the previous step (its state and weights fingerprints)
         self._t = -1
         # global hooks: an optimizer built again (a resume) is still seen, by the parameters it holds
@@ -185,7 +186,9 @@ class RunWatch:
             st.w_print = last.after
         else:
             st.w_print = {n: upd.print_of(p) for ps in self.params.values() for n, p in ps}
-        if self._checked(self._t):  # a check's anchor: kept on the host until the next good check
+        # an anchor, kept on the host until the next good check: a checked step's own weights (its live check),
+        # and those of the first step after a good check (a failed check replays from there)
+        if self.report.first_wrong_step is None and (self._checked(self._t) or not self._pending):
             st.weights = {n: p.detach().to("cpu", copy=True) for ps in self.params.values() for n, p in ps}
         self._step = st
 
@@ -245,7 +248,7 @@ class RunWatch:
                 else:
                     again[n] = state
         st.s_pre.update(zip(again, upd.state_prints(list(again.values()))))
-        if self._checked(st.step):
+        if st.weights is not None:  # an anchor's state, as its weights (begin)
             st.states = {n: upd.host_state(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
 
     def _post(self, opt, args, kwargs) -> None:
@@ -346,7 +349,7 @@ class RunWatch:
             ok, stage, what, _, _ = self._judge(st, st.weights, st.states, after=None)
             if ok:
                 self._mark(st.step, True, None, "")
-                self._pending = [st]  # the next anchor
+                self._held_since_good(pend)
                 return
             cheap = (stage, what)  # this step's own verdict, said if no step before it was wrong
             if len(pend) == 1:
@@ -361,6 +364,16 @@ class RunWatch:
             if not ok:
                 return
         self._mark(st.step, False, *cheap)
+
+    def _held_since_good(self, pend: list[_Step]) -> None:
+        """After a good check: nothing of the steps up to it is held any more (their anchors, their gradients)
+        but the checked step's gradients, which the next step's are held against (gradients not zeroed). The
+        next step is the next anchor (`begin`)."""
+        for s in pend:
+            s.weights = s.states = s.prev_seen = None
+        for s in pend[:-1]:
+            s.seen = {}
+        self._pending = []
 
     def _mark(self, step: int, ok: bool, stage, what: str) -> None:
         rec = next(r for r in self.report.steps if r.step == step)
