@@ -464,3 +464,36 @@ def test_torch_log_handlers_that_follow_sys_stderr_are_pinned_to_the_real_stderr
         assert "Forwarded chunk 0" in real.getvalue() and cell.getvalue() == ""
     finally:
         probe.handlers = []
+
+
+def test_a_pipelining_record_is_formatted_once_for_the_rank_stderr_and_the_cell_file():
+    # live ranks write each pipelining record twice (the rank's stderr, the cell's file), with one format: the
+    # text is made once and is the same as logging.Formatter's; a handler with another format makes its own
+    import io
+    import logging
+
+    from labkit.logs.parse import PP_LOG_FORMAT
+    from labkit.ranks.rank import _FormattedOnce
+
+    lg = logging.getLogger("labkit-test.formatted-once")
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    streams = [io.StringIO() for _ in range(4)]
+    formats = [_FormattedOnce(PP_LOG_FORMAT), _FormattedOnce(PP_LOG_FORMAT),
+               _FormattedOnce("%(levelname)s %(message)s"), logging.Formatter(PP_LOG_FORMAT)]
+    calls = []
+    real = logging.Formatter.format
+    try:
+        logging.Formatter.format = lambda self, record: calls.append(1) or real(self, record)
+        for stream, fmt in zip(streams, formats):
+            h = logging.StreamHandler(stream)
+            h.setFormatter(fmt)
+            lg.addHandler(h)
+        lg.debug("%s Forwarded chunk %s", "[Stage 0]", 3)
+    finally:
+        logging.Formatter.format = real
+        lg.handlers.clear()
+    texts = [s.getvalue() for s in streams]
+    assert texts[0] == texts[1] == texts[3] and texts[0].endswith("[Stage 0] Forwarded chunk 3\n"), texts
+    assert texts[2] == "DEBUG [Stage 0] Forwarded chunk 3\n", texts
+    assert len(calls) == 3  # the two handlers of one format: once; the other format; the plain Formatter

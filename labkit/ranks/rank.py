@@ -108,6 +108,19 @@ class Tee:
         return getattr(self.inner, name)
 
 
+class _FormattedOnce(logging.Formatter):
+    """A format whose text a record keeps: torch's handler (bound to the rank's stderr) and the cell's file
+    write each pipelining record with the same format (PP_LOG_FORMAT), formatted once, not twice."""
+
+    def format(self, record) -> str:
+        got = record.__dict__.get("_labkit_text")
+        if got is not None and got[0] == self._fmt:
+            return got[1]
+        text = super().format(record)
+        record._labkit_text = (self._fmt, text)
+        return text
+
+
 class _ScheduleSeen(logging.Handler):
     """Remembers the schedule class torch announces ("Using ScheduleGPipe") when a schedule is built."""
 
@@ -273,7 +286,7 @@ def run_cell(msg: dict, ns: dict, link: Link) -> dict:
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # tracebacks show the lines
     handler = logging.FileHandler(log_path, delay=True)
     handler.setLevel(logging.DEBUG)
-    handler.setFormatter(logging.Formatter(PP_LOG_FORMAT))
+    handler.setFormatter(_FormattedOnce(PP_LOG_FORMAT))
     pp = logging.getLogger(PP_LOGGER)
     pp.addHandler(handler)
     spans = _cell_spans(Path(log_path).parent / "spans" / f"rank{Path(log_path).stem[4:]}.jsonl", n)
@@ -375,7 +388,8 @@ def _pin_log_handlers() -> None:
                 continue
             pinned = logging.StreamHandler(sys.__stderr__)
             pinned.setLevel(h.level)
-            pinned.setFormatter(h.formatter)
+            plain = type(h.formatter) is logging.Formatter and h.formatter.datefmt is None
+            pinned.setFormatter(_FormattedOnce(h.formatter._fmt) if plain else h.formatter)
             for f in h.filters:
                 pinned.addFilter(f)
             lg.removeHandler(h)
