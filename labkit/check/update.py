@@ -113,9 +113,22 @@ def state_prints(states: list[dict]) -> list[tuple]:
     (a state lost, cleared, zeroed or built again does not); the norm alone, as the watch fingerprints every
     state at every step (bench/RESULTS.md, "The run watch")."""
     tensors = [v for st in states for v in st.values() if torch.is_tensor(v)]
-    norms = iter(torch.stack(float64_norms(tensors)).tolist() if tensors else [])
+    norms = iter(_on_host(float64_norms(tensors)))
     return [tuple(sorted((k, next(norms)) if torch.is_tensor(v) else (k, v) for k, v in st.items()))
             for st in states]
+
+
+def _on_host(scalars: list[torch.Tensor]) -> list[float]:
+    """0-d tensors as floats, one transfer a device (an optimizer's state is on several: Adam's `step` stays on
+    the host beside moments on the GPU)."""
+    out: list[float] = [0.0] * len(scalars)
+    by_device: dict = {}
+    for i, v in enumerate(scalars):
+        by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([scalars[i] for i in idx]).tolist()):
+            out[i] = v
+    return out
 
 
 def held_state(state: dict) -> tuple[dict, dict]:

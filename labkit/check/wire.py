@@ -3,7 +3,7 @@ no pickling: the run watch sends each rank's weights at a check, and each refere
 rank that made it (labkit.check.gradients), some MB each; `all_gather_object` pickled them, copied them
 twice more and padded every rank's part to the largest (bench/RESULTS.md, "The run watch").
 
-Where they travel: the group's backend decides (nccl: the check's device; gloo: the host).
+Where they travel: the group's backend decides (gloo: the host; nccl alone: the check's device).
 
 May import: torch."""
 
@@ -20,8 +20,9 @@ def layout(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple]]:
 
 
 def wire_device(group, device) -> torch.device:
-    """Where a broadcast's buffer lives: the check's device under nccl, else the host."""
-    return torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    """Where a broadcast's buffer lives: the host where the group's backend carries host tensors (gloo, alone
+    or beside nccl: "cpu:gloo,cuda:nccl"), else the check's device (nccl alone)."""
+    return torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else torch.device(device)
 
 
 def share(group, src: int, meta: list[tuple[str, str, tuple]], tensors: dict[str, torch.Tensor] | None,
