@@ -20,7 +20,8 @@ parts, each ending with a verdict (pass, fail, or skipped with the reason):
    quiet (labkit.spans.quiet; otherwise the gap is reported, not judged). How far apart they
    are (start and end offsets, durations, bubble fractions) is reported, not judged, on a GPU;
 4. live ranks (`labkit.Ranks(nproc=1)`, nccl on a GPU, gloo on CPU): a small pipelined step checked
-   against the unsplit model, and its spans;
+   against the unsplit model, and its spans; the run watch (`labkit.watch_run`, AdamW, 6 steps checked every
+   2) holds a clean run and names a lost optimizer state at its step;
 5. the memory tracker (`labkit.worker.memory.SavedTensorTracker`) against the bytes the step saves by
    construction and, on a GPU, against `torch.cuda.max_memory_allocated`;
 6. the kit as a transparent observer: one user script with its stages compiled in place, under plain

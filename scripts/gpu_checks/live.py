@@ -1,5 +1,6 @@
-"""Parts 4-5 on one live pool of one rank (`labkit.Ranks`): a pipelined step against the unsplit model
-and its spans, then the memory tracker against the bytes the step saves (and, on a GPU, the allocator)."""
+"""Parts 4-5 on one live pool of one rank (`labkit.Ranks`): a pipelined step against the unsplit model, its
+spans, and the run watch (a clean run, a lost optimizer state named at its step); then the memory tracker
+against the bytes the step saves (and, on a GPU, the allocator)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,41 @@ check_added = torch.cuda.max_memory_allocated(device) - base if cuda else None
  "backend": dist.get_backend(), "device": str(device),
  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
  "torch": torch.__version__, "cuda": torch.version.cuda}
+"""
+
+WATCH_CELL = """
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+# the run watch (labkit.watch_run) over 6 steps of AdamW, checked every 2: clean, and with the optimizer's state
+# lost at step 3 (named there, stage 0); on a GPU the state's step counts stay on the host beside the moments
+import labkit
+
+
+def watched(bug):
+    torch.manual_seed(1)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)]).to(device)
+    both = [PipelineStage(net[2 * s:2 * s + 2], s, 2, device) for s in range(2)]
+    run = ScheduleInterleaved1F1B(both, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+    watch = labkit.watch_run(both, opt, nn.functional.mse_loss, 4, full=net, every=2)
+    g = torch.Generator().manual_seed(2)
+    try:
+        for t in range(6):
+            xb, yb = torch.randn(8, 32, generator=g).to(device), torch.randn(8, 32, generator=g).to(device)
+            watch.begin(xb, yb)
+            opt.zero_grad()
+            got = []
+            run.step(xb, target=yb, losses=got)
+            if bug and t == 3:
+                opt.state.clear()
+            opt.step()
+            watch.end(got)
+    finally:
+        watch.close()
+    return [watch.report.ok, watch.report.first_wrong_step, watch.report.stage, watch.report.failure or ""]
+
+
+{"watch_clean": watched(False), "watch_bug": watched(True)}
 """
 
 MEMORY_CELL = """
@@ -143,6 +179,7 @@ def live_step(check: Check, pool, t0: float) -> None:
     try:
         got = pool.exec(STEP_CELL, timeout=cell_timeout(check, "4_live_ranks", t0))[0]
         counts = {f"{st}{kind}": n for (st, kind), n in sorted(pool.timeline().counts().items())}
+        got.update(pool.exec(WATCH_CELL, timeout=cell_timeout(check, "4_live_ranks", t0))[0])
     except Exception as e:
         check.conclude("4_live_ranks", FAIL, f"the cell failed: {first_line(e)}", time.monotonic() - t0,
                        error=str(e)[-3000:], backend=pool.status().get("backend"))
@@ -156,6 +193,10 @@ def live_step(check: Check, pool, t0: float) -> None:
     if counts != want:
         problems.append(f"the cell's spans count {counts}, expected {want}")
     problems += stages_problems(got)
+    if got["watch_clean"][0] is not True:
+        problems.append(f"the run watch failed a clean run: {got['watch_clean']}")
+    if got["watch_bug"][:3] != [False, 3, 0]:
+        problems.append(f"the run watch did not name the lost optimizer state at step 3, stage 0: {got['watch_bug']}")
     if check.device == "cuda" and got.get("device_name"):
         check.env["device_name"] = got["device_name"]  # torch's name for it, from the rank that used it
     why = "; ".join(problems) or (f"{got['backend']} on {got['device']}: Interleaved1F1B, 2 stages x 4 microbatches "
