@@ -9,6 +9,8 @@ May import: torch."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -35,9 +37,9 @@ def share(group, src: int, meta: list[tuple[str, str, tuple]], tensors: dict[str
     out: dict[str, torch.Tensor] = {}
     for dtype in sorted({d for _, d, _ in meta}):
         rows = [(n, shape) for n, d, shape in meta if d == dtype]
-        sizes = [_numel(shape) for _, shape in rows]
+        sizes = [math.prod(shape) for _, shape in rows]
         if me == src:
-            flat = torch.cat([tensors[n].detach().reshape(-1).to(device) for n, _ in rows]) if rows else None
+            flat = torch.cat([tensors[n].detach().reshape(-1).to(device) for n, _ in rows])
         else:
             flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype), device=device)
         dist.broadcast(flat, src=root, group=group)
@@ -45,9 +47,3 @@ def share(group, src: int, meta: list[tuple[str, str, tuple]], tensors: dict[str
             out[n] = piece.view(shape)
     return out
 
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
