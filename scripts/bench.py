@@ -24,7 +24,8 @@ pair, because these machines are noisy: never compare absolute times across runs
    (`--only as_launched`) [as_launched]; the kit against plain torchrun on one user script, eager and
    compiled, launched and in live ranks: step time and peak memory (`--only observer`) [observer]; the run
    watch, a 100-step run checked every 10 steps against the run alone, and a bug at step 37 named
-   (`--only watch`) [watch];
+   (`--only watch`) [watch], and its peak memory with slices= against the step's (`--only watch_memory`)
+   [watch_memory];
 7. the check's cost: check_step and check_stages beside the step they check, time and peak memory per rank
    [check_cost]; at scale, a 1B-parameter Llama over 4 CPU ranks, on its own (`--only scale`) [check_scale];
 8. GPU, when one is present: the tutorial-size preset on one GPU (world size 1, multi-stage schedules)
@@ -59,6 +60,7 @@ from benches.check_scale import SCALE_HEADING, _check_scale_rows, check_scale  #
 from benches.as_launched import AS_LAUNCHED_HEADING, _as_launched_rows, as_launched  # noqa: E402, F401
 from benches.observer import OBSERVER_HEADING, _observer_rows, observer  # noqa: E402, F401
 from benches.watch import WATCH_HEADING, _watch_rows, watch_bench  # noqa: E402, F401
+from benches.watch_memory import WATCH_MEMORY_HEADING, _watch_memory_rows, watch_memory  # noqa: E402, F401
 from benches.common import (BENCH_DIR, REPO_ROOT, _reference_launch, _rounds, _torch,  # noqa: E402, F401
                             _tree_run, _wall_and_cpu, machine)
 from benches.fidelity import _fixture_lines, fidelity, instrument_fidelity, parser_throughput  # noqa: E402, F401
@@ -90,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
                                                       "instruments", "paper", "launch", "startup", "check", "warm",
-                                                      "scale", "as_launched", "observer", "watch"],
+                                                      "scale", "as_launched", "observer", "watch",
+                                                      "watch_memory"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     return ap.parse_args(argv)
 
@@ -236,6 +239,8 @@ def update_only(out: Path, only: str, pairs: int) -> dict:
         res["observer"] = {**observer(), "date": stamp, "torch": _torch()}
     if only == "watch":  # a 100-step run checked every 10 steps against the run alone, and a bug at step 37
         res["watch"] = {**watch_bench(), "date": stamp, "torch": _torch()}
+    if only == "watch_memory":  # the watch's peak memory with slices= against the step's, per rank
+        res["watch_memory"] = {**watch_memory(), "date": stamp, "torch": _torch()}
     if only == "warm":
         ws, load = _under_load(warm_start)
         res["warm_start"] = {**ws, "date": stamp, "torch": _torch(), "load": load}

@@ -64,7 +64,7 @@ def watched(bug=None, at=0, every=1, n=12, dtype=None):
     r = watch.report
     return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
 
-def scenario(bug=None, at=0, every=1, n=20, on=1):
+def scenario(bug=None, at=0, every=1, n=20, on=1, spill=None):
     # the issue's check as a user writes it: 20 steps, zero_grad first in each step, the bug on rank `on`
     full = small_lm()
     mod = cut_small_lm(full, [[0, 1], [2, 3]][rank], rank == 0, rank == 1)
@@ -73,7 +73,7 @@ def scenario(bug=None, at=0, every=1, n=20, on=1):
     make = lambda: torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1)
     opt = make()
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    watch = labkit.watch_run([stage], opt, lm_loss, 4, full=full, every=every)
+    watch = labkit.watch_run([stage], opt, lm_loss, 4, full=full, every=every, spill=spill)
     g = torch.Generator().manual_seed(0)
     mine = rank == on
     try:
@@ -195,6 +195,24 @@ def test_the_issues_20_step_scenarios(pool, case):
     assert ok == (step is None) and words in failure, failure
     if step is not None:
         assert all(s is not False for s in steps[:step]) and steps[step] is False
+
+
+@pytest.mark.parametrize("case", ["lost state at 10", "no zero_grad from 8 every 4", "resume without state every 4"])
+def test_snapshots_kept_off_memory_give_the_same_verdicts(pool, case):
+    # labkit.check.spill: with full= the snapshots are held in memory by default; spill=True keeps them in a file
+    call, step, stage, words = SCENARIOS[case]
+    ok, first, where, failure, _ = _run(pool, call.replace(")", ", spill=True)", 1) if "(" in call else call)
+    assert (first, where) == (step, stage) and ok == (step is None) and words in failure, (first, where, failure)
+
+
+def test_a_spill_that_is_not_a_folder_is_refused_up_front(pool):
+    said = pool.exec("""
+try:
+    labkit.watch_run([], None, lm_loss, 4, full=small_lm(), spill="/no/such/folder")
+except labkit.CheckStepError as e:
+    said = str(e)
+said""")
+    assert said[0] == said[1] and "spill must be True" in said[0] and "'/no/such/folder'" in said[0], said
 
 
 def test_each_checked_step_carries_its_loss_floor_and_stage_distances(pool):

@@ -78,3 +78,22 @@ def test_drift_noise_or_the_first_step_beyond_its_floor():
     d = r.drift(single)
     assert not d.noise and d.first_step == 37 and d.text.startswith("step 37 is the first beyond its floor (stage 1)")
     assert "at the first step" in r.drift([3.0] * 60).text
+
+
+def test_snapshots_kept_off_memory_are_counted_against_their_disk(monkeypatch, tmp_path):
+    """With the snapshots spilled (labkit.check.spill: slices= by default), the host's memory holds check_stages'
+    need alone and the snapshots are held against the free space of the folder that keeps them."""
+    full = _big()
+    own, slices = list(full[:28].parameters()), {0: full[:28]}
+    dev, host = fits.watch_need_bytes(None, own, every=4, slices=slices)
+    monkeypatch.setattr(fits, "free_bytes", lambda device: dev + 2 ** 20)  # check_stages fits, the snapshots would not
+    assert fits.watch_too_large(None, own, 4, "cpu", slices=slices) != ""
+    monkeypatch.setattr(fits, "disk_free_bytes", lambda folder: host + 2 ** 20)
+    assert fits.watch_too_large(None, own, 4, "cpu", slices=slices, spill_dir=str(tmp_path)) == ""
+    monkeypatch.setattr(fits, "disk_free_bytes", lambda folder: 2 ** 30)
+    said = fits.watch_too_large(None, own, 4, "cpu", slices=slices, spill_dir=str(tmp_path))
+    assert f"of disk in {tmp_path} (each checked step's weights" in said and "it has 1.00 GiB free there" in said, said
+    assert "pass spill= a folder on a larger disk, or spill=False" in said and "of host memory" not in said, said
+    monkeypatch.setattr(fits, "free_bytes", lambda device: dev - 1)  # check_stages alone does not fit: said alone
+    said = fits.watch_too_large(None, own, 4, "cpu", slices=slices, spill_dir=str(tmp_path))
+    assert "of host memory (check_stages' references beside its slices) and" in said, said

@@ -29,7 +29,7 @@ def clip_global(params, max_norm):
     dist.all_reduce(sq)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt()[0])
 
-def sliced_lm(bug=None, at=0, every=4, n=9, on=1):
+def sliced_lm(bug=None, at=0, every=4, n=9, on=1, spill=None):
     # each rank builds only its part of the LM (its stage module, and again its slice: small_lm's parts are
     # each built from their own seed, as a user who cannot hold the whole model builds them)
     part = lambda: small_lm(blocks=[[0, 1], [2, 3]][rank], first=rank == 0, last=rank == 1)
@@ -38,7 +38,7 @@ def sliced_lm(bug=None, at=0, every=4, n=9, on=1):
     sched = Schedule1F1B(stage, 4, loss_fn=lm_loss)
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1)
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    watch = labkit.watch_run([stage], opt, lm_loss, 4, slices={rank: part()}, every=every)
+    watch = labkit.watch_run([stage], opt, lm_loss, 4, slices={rank: part()}, every=every, spill=spill)
     g = torch.Generator().manual_seed(0)
     mine = rank == on
     try:
@@ -58,6 +58,7 @@ def sliced_lm(bug=None, at=0, every=4, n=9, on=1):
             lrs.step()
             watch.end(losses)
     finally:
+        globals()["STORE"] = type(watch._last.seen).__name__ if watch._last else None  # where the snapshots were
         watch.close()
     r = watch.report
     return r.ok, r.first_wrong_step, r.stage, r.failure or "", [s.ok for s in r.steps]
@@ -143,6 +144,9 @@ def test_a_clean_run_with_slices_holds_at_every_checked_step(pool, call):
 BUGS = {
     "lost state at 10": ("sliced_lm('lost-state', 10, n=12)", 10, 1, "optimizer state of stage 1"),
     "lost state at 6 on rank 0": ("sliced_lm('lost-state', 6, n=9, on=0)", 6, 0, "optimizer state of stage 0"),
+    # the snapshots held in memory instead (labkit.check.spill; slices= keeps them off memory by default)
+    "lost state at 6 held in memory": ("sliced_lm('lost-state', 6, n=9, spill=False)", 6, 1,
+                                       "optimizer state of stage 1"),
     "stage clipping from 5": ("sliced_lm('stage-clip', 5, n=9)", 5, 0, "clipping by a stage's own norm"),
     "interleaved stage clipping from 3": ("sliced_blocks(bug='stage-clip', at=3, n=5)", 3, 0,
                                           "clipping by a stage's own norm"),
@@ -157,6 +161,14 @@ def test_a_planted_bug_is_named_at_its_step_and_stage_with_slices(pool, bug):
     assert not ok and (first, where) == (step, stage), (first, where, failure)
     assert words in failure, failure
     assert all(s is not False for s in steps[:step]) and steps[step] is False
+
+
+def test_with_slices_the_snapshots_are_kept_off_memory_unless_told(pool):
+    # labkit.check.spill: by default with slices= (memory is the point), held in memory with spill=False
+    for call, store in (("sliced_lm(every=2, n=3)", "Spilled"), ("sliced_lm(every=2, n=3, spill=False)", "HostCopies")):
+        ok, _, _, failure, _ = _run(pool, call)
+        assert ok, failure
+        assert pool.exec("STORE") == {0: store, 1: store}
 
 
 def test_slices_that_do_not_match_their_stages_are_refused_up_front(pool):

@@ -14,7 +14,8 @@
   `labkit.check_stages`), in less memory by `lean` and `pieces`;
 - `watch`: `watch_run`, a training run watched step after step (public at the top: `labkit.watch_run`), its
   first wrong step named with its stage; `gradients`: a checked step's gradients against the re-anchored
-  references; `update`: the optimizer's update replayed, and the fingerprints kept between checks; `runs`:
+  references; `update`: the optimizer's update replayed, and the fingerprints kept between checks; `spill`: the
+  snapshots the watch holds, kept off memory with slices=; `runs`:
   the watch's report (each step's loss, distances and floors, `drift`, `plot_run`).
 
 Runs inside the ranks (a job's, or live ranks' cells). Taught in notebook 09b.

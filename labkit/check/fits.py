@@ -139,11 +139,24 @@ def watch_need_bytes(full: torch.nn.Module | None, own: list, every: int, state_
     return need_bytes(full) + copy, host
 
 
+def disk_free_bytes(folder: str) -> int | None:
+    """The free bytes of the disk that holds `folder`; None where it cannot be read."""
+    import shutil
+
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except OSError:
+        return None
+
+
 def watch_too_large(full: torch.nn.Module | None, own: list, every: int, device, state_per_param: int = 2,
-                    slices: dict | None = None, sixteen: bool = False) -> str:
+                    slices: dict | None = None, sixteen: bool = False, spill_dir: str | None = None) -> str:
     """'' when the run watch fits on this rank; else why not, with its estimate (the host's part counted
-    against the host's memory; on the CPU both against the same)."""
+    against the host's memory, on the CPU both against the same; with `spill_dir`, the folder the snapshots are
+    kept in off memory (labkit.check.spill), against that folder's disk instead)."""
     dev, host = watch_need_bytes(full, own, every, state_per_param, slices, sixteen)
+    disk = host if spill_dir is not None else 0
+    host -= disk
     refs = ("check_stages' references beside its slices" if slices is not None else
             "check_step's references and a copy of the unsplit model")
     on_gpu = torch.device(device).type == "cuda"
@@ -153,10 +166,15 @@ def watch_too_large(full: torch.nn.Module | None, own: list, every: int, device,
         said.append(f"{_size(dev)} on its GPU ({refs}) and it has {_size(free_dev)} free")
     need_host = host if on_gpu else dev + host
     if free_host is not None and need_host > free_host:
-        refs = "" if on_gpu else refs + ", and "
-        said.append(f"{_size(need_host)} of host memory ({refs}each checked step's weights and optimizer state and "
-                    f"the gradients of the {every} steps since it, kept on the host) and it has {_size(free_host)} "
-                    f"{_where('cpu')}")
+        held = "" if not host else ("each checked step's weights and optimizer state and the gradients of the "
+                                    f"{every} steps since it, kept on the host")
+        what = ", and ".join(v for v in ("" if on_gpu else refs, held) if v)
+        said.append(f"{_size(need_host)} of host memory ({what}) and it has {_size(free_host)} {_where('cpu')}")
+    free_disk = disk_free_bytes(spill_dir) if disk else None
+    if free_disk is not None and disk > free_disk:
+        said.append(f"{_size(disk)} of disk in {spill_dir} (each checked step's weights and optimizer state and the "
+                    f"gradients of the {every} steps since it, kept off memory) and it has {_size(free_disk)} free "
+                    f"there (pass spill= a folder on a larger disk, or spill=False to hold them in memory)")
     if not said:
         return ""
     return (f"watch_run needs at least {' and '.join(said)}: watch a smaller configuration of the same code, "

@@ -6,7 +6,7 @@ as labkit.check.noise measures a gradient's). Used by `labkit.watch_run` (labkit
 Also the fingerprints the run watch keeps of every step between its checks: a state's or a weight's
 float64 sum and its dot with a fixed random sign vector, cheap enough for every step.
 
-May import: torch, labkit.versions, labkit.check (noise)."""
+May import: torch, labkit.versions, labkit.check (noise, spill)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,6 @@ def hyper(group: dict) -> dict:
             continue
         out[k] = float(v) if torch.is_tensor(v) and v.numel() == 1 else v
     return out
-
-
-def host_state(state: dict) -> dict:
-    """One parameter's optimizer state copied to the host (tensors cloned, the rest as is)."""
-    return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}
 
 
 def replay(cls, groups: list[dict], weights: list[list[torch.Tensor]], grads: list[list[torch.Tensor | None]],
@@ -193,12 +188,15 @@ def fit2(seen: dict, ref: dict, prev: dict, names: list[str]) -> tuple[float, fl
     return (gr * pp - gp * rp) / det, (gp * rr - gr * rp) / det
 
 
-REPLAY_ELEMENTS = 1 << 22
+REPLAY_ELEMENTS = 1 << 18
 """The update is replayed this many parameter elements at a time (a parameter larger than that alone): each
-replay copies its weights, gradients and state twice (the step's dtype and float64), so a stage's whole update
-at once would add about eleven copies of its parameters at a check (an optimizer's update is one parameter at
-a time: the same numbers in pieces). Measured 2026-12-06, AdamW on 24 tensors of 1M elements (96 MB) on the CPU:
-the replays' peak above what was held 1050 MB at once, 342 MB in pieces of 4M elements."""
+replay copies its weights, gradients and state (the step's dtype, then float64) and the optimizer's own
+temporaries come on top, about 60 bytes an element of a piece with Adam, so a stage's whole update at once would
+add about nine copies of its parameters at a check (an optimizer's update is one parameter at a time: the same
+numbers in pieces). Measured 2026-12-06, AdamW on 24 tensors of 1M elements (96 MB) on the CPU, the optimizer's
+code loaded first: the replays' peak above what was held 897 MB at once, 224 MB in pieces of 4M elements, 52-72 MB
+in pieces of one tensor (1M); with a stage of 12 MB at a check of the run watch (slices=), pieces of 4M elements
+made the watch's peak, 256K elements left it to check_stages' chains (docs/live-ranks.md, "Memory")."""
 
 
 def replay_chunks(by_group: dict[int, list[str]], weights: dict) -> list[tuple[list[int], list[list[str]]]]:
@@ -207,7 +205,7 @@ def replay_chunks(by_group: dict[int, list[str]], weights: dict) -> list[tuple[l
     out, gi, names, size = [], [], [], 0
     for g in sorted(by_group):
         for n in by_group[g]:
-            numel = weights[n].numel()
+            numel = weights.numel(n) if hasattr(weights, "numel") else weights[n].numel()  # a snapshot store's: unread
             if size and size + numel > REPLAY_ELEMENTS:
                 out.append((gi, names))
                 gi, names, size = [], [], 0
@@ -241,7 +239,9 @@ def judge_update(w, st, weights: dict, states: dict | None, after, dist_: dict):
     cls = getattr(st, "cls", type(w.optimizer))
     group_of = getattr(st, "group_of", {})
     ok, stage, what = True, None, ""
-    new_w, new_s = {}, {}
+    from .spill import store
+
+    new_w, new_s = store(w.spill), store(w.spill)
     if not st.groups or states is None:
         return new_w, new_s, True, None, ""
     live_now = {n: p for ps in w.params.values() for n, p in ps} if after is None else {}
@@ -254,7 +254,7 @@ def judge_update(w, st, weights: dict, states: dict | None, after, dist_: dict):
         worst = (0.0, 1.0, "", False)
         for gi, names in replay_chunks(by_group, weights):  # a few parameters at a time: bounded memory
             groups = [st.groups[i] for i in gi]
-            ws = [[weights[n] for n in ns] for ns in names]
+            ws = [[weights[n] for n in ns] for ns in names]  # read once (kept off memory: from the file)
             gs = [[st.seen.get(n) for n in ns] for ns in names]
             ss = [[(states or {}).get(n, {}) for n in ns] for ns in names]
             # a replay between checks chains each step's weights and state into the next; a live check keeps none
@@ -263,13 +263,12 @@ def judge_update(w, st, weights: dict, states: dict | None, after, dist_: dict):
             for i, ns in enumerate(names):
                 for j, n in enumerate(ns):
                     if after is not None:
-                        new_w[n], new_s[n] = w_dt[i][j].to("cpu"), {kk: (v.to("cpu") if torch.is_tensor(v) else v)
-                                                                    for kk, v in s_dt[i][j].items()}
-                    err, floor, still = _update_figure(n, k, weights[n], live_now.get(n), after, w_dt[i][j],
+                        new_w[n], new_s[n] = w_dt[i][j], s_dt[i][j]  # copies to the host (or its file)
+                    err, floor, still = _update_figure(n, k, ws[i][j], live_now.get(n), after, w_dt[i][j],
                                                        w_64[i][j])
                     if err / floor > worst[0] / worst[1] or not worst[2]:
                         worst = (err, floor, n, still)
-            del w_dt, s_dt, w_64
+            del w_dt, s_dt, w_64, ws, gs, ss
         if worst[2]:
             e, f0 = dist_.get(k, (0.0, 1.0))
             if worst[0] / worst[1] > e / f0:

@@ -44,12 +44,13 @@ to `end`, as check_stages needs them.
 Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
 weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: tied weights.
 
-May import: torch, labkit.versions, labkit.check (gradients, calls, boundaries, update, runs, fits, noise,
+May import: torch, labkit.versions, labkit.check (gradients, calls, boundaries, update, runs, fits, noise, spill,
 stagewise)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import fits, gradients
+from . import spill as spill_
 from . import update as upd
 from .boundaries import stage_names
 from .noise import canonical
@@ -75,10 +77,10 @@ class _Step:
     y: object
     kwargs: dict
     w_print: dict = field(default_factory=dict)          # name -> fingerprint of the weights at begin
-    weights: dict | None = None                          # name -> host copy at begin (checked steps)
-    seen: dict = field(default_factory=dict)             # name -> host copy of the gradient the optimizer saw
+    weights: Mapping | None = None                       # name -> host copy at begin (anchors; labkit.check.spill)
+    seen: Mapping = field(default_factory=dict)          # name -> host copy of the gradient the optimizer saw
     groups: list = field(default_factory=list)           # each param group's hyperparameters at the step
-    states: dict | None = None                           # name -> host copy of the state the step used (checked)
+    states: Mapping | None = None                        # name -> host copy of the state the step used (anchors)
     s_pre: dict = field(default_factory=dict)            # name -> state fingerprint before the update
     s_post: dict = field(default_factory=dict)           # name -> state fingerprint after it
     after: dict = field(default_factory=dict)            # name -> fingerprint of the weights after the step
@@ -93,7 +95,7 @@ class RunWatch:
 
     def __init__(self, stages, optimizer, loss_fn, n_microbatches: int, full: nn.Module | None = None, *,
                  slices=None, every: int = 1, chunk_dim: int = 0, autocast: torch.dtype | None = None,
-                 group=None, prefix_stage_index: bool | None = None, device=None):
+                 group=None, prefix_stage_index: bool | None = None, device=None, spill: bool | str | None = None):
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         problems = []
         if (full is None) == (slices is None):
@@ -102,12 +104,16 @@ class RunWatch:
                             "that stage's slice}, as labkit.check_stages takes them): pass one of the two")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             problems.append(f"every must be a whole number >= 1 (check every k-th step), got {every!r}")
+        if spill_.problem(spill):
+            problems.append(spill_.problem(spill))
         if problems:  # from the arguments alone: the same on every rank, before any collective
             raise CheckStepError("; ".join(problems))
         self.stages, self.optimizer, self.loss_fn, self.n_microbatches = stages, optimizer, loss_fn, n_microbatches
         self.every, self.chunk_dim, self.autocast, self.group = every, chunk_dim, autocast, group
         self.device = device if device is not None else (stages[0].device if stages else "cpu")
         self.slices = dict(slices) if slices is not None else None
+        # the host snapshots kept off memory (labkit.check.spill): by default where memory is the point (slices=)
+        self.spill = spill_.resolved(spill, slices is not None)
         self._fits(full, stages, optimizer, every, group, device)
         # each rank's stages' parameter names, gathered: whom a reference's gradients go to, and (slices=) whether
         # two stages name theirs alike (each built from one block class): then each name is prefixed by its stage
@@ -161,7 +167,7 @@ class RunWatch:
             run = _Run(self.slices, stages, None, None, [], self.n_microbatches, self.loss_fn, self.autocast, {},
                        torch.device(dev), self.chunk_dim, group)
             problems, sixteen = _slice_problems(run), _sixteen(run)
-        too_large = fits.watch_too_large(full, own, every, dev, n_state, self.slices, sixteen)
+        too_large = fits.watch_too_large(full, own, every, dev, n_state, self.slices, sixteen, spill_.folder(self.spill))
         said = [None] * dist.get_world_size(group)
         dist.all_gather_object(said, (full is None, problems, too_large), group=group)
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(said))]
@@ -178,7 +184,7 @@ class RunWatch:
         """Before the step: its whole batch (the model's other inputs as keywords)."""
         self._t += 1
         host = lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
-        st = _Step(self._t, host(x), host(y), {k: host(v) for k, v in kwargs.items()})
+        st = _Step(self._t, host(x), host(y), {k: host(v) for k, v in kwargs.items()}, seen=spill_.store(self.spill))
         # the weights untouched since the previous step's end (the same storage, no write since): its
         # fingerprints are theirs, bit for bit, and not taken again
         last, tokens = self._last, {n: unchanged_token(p) for ps in self.params.values() for n, p in ps}
@@ -189,7 +195,7 @@ class RunWatch:
         # an anchor, kept on the host until the next good check: a checked step's own weights (its live check),
         # and those of the first step after a good check (a failed check replays from there)
         if self.report.first_wrong_step is None and (self._checked(self._t) or not self._pending):
-            st.weights = {n: p.detach().to("cpu", copy=True) for ps in self.params.values() for n, p in ps}
+            st.weights = spill_.taken(self.spill, ((n, p) for ps in self.params.values() for n, p in ps))
         self._step = st
 
     def end(self, losses=None) -> None:
@@ -221,6 +227,9 @@ class RunWatch:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for held in (h for s in self._pending + [self._last] if s for h in (s.weights, s.states, s.seen) if h):
+            held.close()  # the snapshots' files closed (gone from the disk)
+        self._pending = []
 
     # -- the optimizer's hooks ------------------------------------------------------------------------------
     def _pre(self, opt, args, kwargs) -> None:
@@ -239,7 +248,7 @@ class RunWatch:
         again = {}
         for ps in self.params.values():
             for n, p in ps:
-                st.seen[n] = None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                st.seen[n] = p.grad  # a copy, taken now
                 state = opt.state.get(p, {})
                 # the same state tensors, untouched since the previous step's update: its fingerprint, not
                 # taken again; else taken and compared (a state loaded again with the same values holds)
@@ -249,7 +258,8 @@ class RunWatch:
                     again[n] = state
         st.s_pre.update(zip(again, upd.state_prints(list(again.values()))))
         if st.weights is not None:  # an anchor's state, as its weights (begin)
-            st.states = {n: upd.host_state(opt.state.get(p, {})) for ps in self.params.values() for n, p in ps}
+            st.states = spill_.taken(self.spill, ((n, opt.state.get(p, {})) for ps in self.params.values()
+                                                  for n, p in ps))
 
     def _post(self, opt, args, kwargs) -> None:
         st = self._step

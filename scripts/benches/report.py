@@ -12,6 +12,7 @@ from .check_scale import _check_scale_rows
 from .as_launched import _as_launched_rows
 from .observer import _observer_rows
 from .watch import _watch_rows
+from .watch_memory import _watch_memory_rows
 from .live import NOTEBOOKS_BEFORE_LIVE_RANKS_S
 from .paper import _paper_rows
 from .warm import _warm_rows, _warm_section
@@ -106,6 +107,7 @@ def markdown(res: dict) -> str:
     lines += _as_launched_rows(res.get("as_launched"))
     lines += _observer_rows(res.get("observer"))
     lines += _watch_rows(res.get("watch"))
+    lines += _watch_memory_rows(res.get("watch_memory"))
     lines += _warm_section(res.get("warm_start"))
     return "\n".join(lines) + "\n"
 
