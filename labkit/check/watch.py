@@ -37,8 +37,8 @@ on its stages' weights at `begin` (the watch sets their values from then on) and
 chains along the pipeline (labkit.check.stagewise.references: each rank only its slices, activations and
 their gradients sent between the ranks), read as the full model's references are; the update is judged per
 stage as with full=, and a gradient failure is placed by check_stages' float64 replay of each stage against
-its slice. The watch then holds no copy of the model: on a rank, check_stages' need beside its slices, and on
-the host the snapshots above (labkit.check.fits.watch_need_bytes). The last stage's rank must pass its losses
+its slice. The watch then holds no copy of the model, only check_stages' need beside its slices; the snapshots above
+are kept off memory (labkit.check.spill; `spill=` chooses; with full= held in memory by default). The last stage's rank must pass its losses
 to `end`, as check_stages needs them.
 
 Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the

@@ -129,7 +129,7 @@ def watch_memory(rounds: int = 2) -> dict:
     with tempfile.TemporaryDirectory() as tmp, Ranks(nproc=2, device="cpu", runs_root=tmp, live="print") as pool:
         pool.exec(SETUP)
         for batch in BATCHES:
-            got = pool.exec(f"measure({batch}, {rounds}, {CASES!r})")
+            got = pool.exec(f"measure({batch}, {rounds}, {CASES!r})", timeout=1800)
             out["batches"][str(batch)] = {str(r): v for r, v in got.items()}
             out["load"].append(os.getloadavg()[0])
     return out
