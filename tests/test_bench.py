@@ -332,12 +332,15 @@ def test_the_watch_rows_say_the_load_the_pairs_ran_under():
 def test_the_watch_memory_rows_say_the_worst_rank_and_round_against_the_same_rounds_step():
     """RESULTS.md's section of the watch's memory with slices=: per batch and case, the worst ratio over ranks and
     rounds, each round's watch against that round's step; a failed verdict said."""
-    rank = lambda plain, watched, ok=True: {"params_mb": 12.2, "check_stages_mb": 60.0, "check_stages_ok": True,  # noqa: E731
-                                            "plain_mb": plain, "cases": {"every 1": [(w, ok) for w in watched]}}
+    def rank(plain, watched, ok=True):
+        return {"params_mb": 12.2, "check_stages_mb": 60.0, "check_stages_ok": True, "plain_mb": plain,
+                "cases": {"every 1": [(w, ok) for w in watched]}}
+
     w = {"rounds": 2, "model": "m", "load": [1.0, 1.2], "date": "d", "torch": "t",
          "batches": {"16": {"0": rank([50.0, 40.0], [80.0, 76.0]), "1": rank([52.0, 50.0], [70.0, 90.0], ok=False)}}}
     text = "\n".join(bench._watch_memory_rows(w))
-    assert f"## {bench.WATCH_MEMORY_HEADING}" in text and "load average 1.0 at the start and 1.2 after each batch" in text
+    assert f"## {bench.WATCH_MEMORY_HEADING}" in text
+    assert "load average 1.0 at the start and 1.2 after each batch" in text, text
     # rank 0's second round: 76 / 40 = 1.90x, the worst (rank 1: 90 / 50 = 1.80x)
     assert "| 16 x 64 | every 1 | 40 MB | 76 MB | 1.90x | 60 MB | FAILED |" in text, text
     assert bench._watch_memory_rows(None) == []

@@ -37,9 +37,9 @@ on its stages' weights at `begin` (the watch sets their values from then on) and
 chains along the pipeline (labkit.check.stagewise.references: each rank only its slices, activations and
 their gradients sent between the ranks), read as the full model's references are; the update is judged per
 stage as with full=, and a gradient failure is placed by check_stages' float64 replay of each stage against
-its slice. The watch then holds no copy of the model, only check_stages' need beside its slices; the snapshots above
-are kept off memory (labkit.check.spill; `spill=` chooses; with full= held in memory by default). The last stage's rank must pass its losses
-to `end`, as check_stages needs them.
+its slice. The watch then holds no copy of the model, only check_stages' need beside its slices; the snapshots
+above are kept off memory (labkit.check.spill; `spill=` chooses; with full= held in memory by default). The last
+stage's rank must pass its losses to `end`, as check_stages needs them.
 
 Needs: the model has no randomness (dropout) the reference cannot repeat; `end` after optimizer.step (the
 weights it reads are the step's result); the optimizer holds the stages' parameters. Not yet: tied weights.
@@ -167,7 +167,8 @@ class RunWatch:
             run = _Run(self.slices, stages, None, None, [], self.n_microbatches, self.loss_fn, self.autocast, {},
                        torch.device(dev), self.chunk_dim, group)
             problems, sixteen = _slice_problems(run), _sixteen(run)
-        too_large = fits.watch_too_large(full, own, every, dev, n_state, self.slices, sixteen, spill_.folder(self.spill))
+        folder = spill_.folder(self.spill)
+        too_large = fits.watch_too_large(full, own, every, dev, n_state, self.slices, sixteen, folder)
         said = [None] * dist.get_world_size(group)
         dist.all_gather_object(said, (full is None, problems, too_large), group=group)
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(said))]
@@ -185,8 +186,7 @@ class RunWatch:
         self._t += 1
         host = lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v  # noqa: E731
         st = _Step(self._t, host(x), host(y), {k: host(v) for k, v in kwargs.items()}, seen=spill_.store(self.spill))
-        # the weights untouched since the previous step's end (the same storage, no write since): its
-        # fingerprints are theirs, bit for bit, and not taken again
+        # weights untouched since the last step's end (same storage, no write since): its fingerprints, not taken again
         last, tokens = self._last, {n: unchanged_token(p) for ps in self.params.values() for n, p in ps}
         if last is not None and last.after and None not in tokens.values() and tokens == last.w_tokens:
             st.w_print = last.after

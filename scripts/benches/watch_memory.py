@@ -86,7 +86,8 @@ class Job:
     def watched(self, every, n, spill=None):
         self.opt.zero_grad()
         base = _reset()
-        watch = labkit.watch_run([self.stage], self.opt, lm_loss, 4, slices={rank: self.slice}, every=every, spill=spill)
+        watch = labkit.watch_run([self.stage], self.opt, lm_loss, 4, slices={rank: self.slice}, every=every,
+                                 spill=spill)
         try:
             for _ in range(n):
                 self.step(watch)
@@ -152,7 +153,8 @@ def _watch_memory_rows(w: dict | None) -> list[str]:
         return []
     when = f"; measured {w['date']}, torch {w['torch']}" if w.get("date") else ""
     if w.get("load"):
-        when += f", load average {w['load'][0]:.1f} at the start and {', '.join(f'{v:.1f}' for v in w['load'][1:])} after each batch"
+        after = ", ".join(f"{v:.1f}" for v in w["load"][1:])
+        when += f", load average {w['load'][0]:.1f} at the start and {after} after each batch"
     how = (f"{w['model']}; on one warm pool of live ranks, {w['rounds']} rounds alternating the plain step and the "
            f"watched steps (`labkit.watch_run(slices=...)`), each a rank's peak resident memory above what it held "
            f"just before{when}. Ratio: the watch's peak over the step's, the worst over ranks and rounds (the bound: "
