@@ -12,8 +12,9 @@ three references of each check; 1.63x (1.62-1.69) once each reference is made by
 (labkit.check.gradients.owners); 1.46x (1.46-1.48, load average 1.4-1.9) once fingerprints are taken again only
 where a tensor was written and the references' gradients travel as flat buffers (labkit.check.wire): a check
 then costs about the float64 reference of the whole model on one rank (docs/live-ranks.md, "The run watch");
-1.41x (1.37-1.47, load average 1.8-2.0) with the update replayed 256K elements at a time (a piece is faster than
-the whole: 11 ms against 22 ms for a stage of 0.8M parameters), 1.56x (1.34-1.64) in a run beside another bench."""
+with the update replayed 256K elements at a time (a piece is faster than the whole: 11 ms against 22 ms for a stage
+of 0.8M parameters), three runs one after another: 1.56x (1.34-1.64), 1.41x (1.37-1.47) and 1.42x (1.32-1.68),
+1.42x over the 9 pairs: a run of 3 pairs can land either side of 1.5x."""
 
 from __future__ import annotations
 
