@@ -131,9 +131,7 @@ class Spilled(Mapping):
 def store(spill: bool | str | None):
     """A new snapshot store: kept off memory where `spill` is True (the system's temporary folder) or a
     folder's path, held in memory where it is False or None."""
-    if spill is None or spill is False:
-        return HostCopies()
-    return Spilled(None if spill is True else str(spill))
+    return Spilled(folder(spill)) if spill else HostCopies()
 
 
 def taken(spill: bool | str | None, named) -> HostCopies | Spilled:
@@ -157,6 +155,6 @@ def resolved(spill, sliced: bool) -> bool | str:
     return sliced if spill is None else (spill if isinstance(spill, bool) else os.fspath(spill))
 
 
-def folder(spill: bool | str) -> str | None:
+def folder(spill: bool | str | None) -> str | None:
     """The folder a store keeps its file in (None: held in memory)."""
-    return None if not spill else (tempfile.gettempdir() if spill is True else spill)
+    return None if not spill else (tempfile.gettempdir() if spill is True else os.fspath(spill))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from labkit.versions import float64_norms, unchanged_token
 
 from .noise import NOISE_MULTIPLE, figure
+from .spill import store
 
 GROUP_SKIP = ("params",)
 
@@ -239,8 +240,6 @@ def judge_update(w, st, weights: dict, states: dict | None, after, dist_: dict):
     cls = getattr(st, "cls", type(w.optimizer))
     group_of = getattr(st, "group_of", {})
     ok, stage, what = True, None, ""
-    from .spill import store
-
     new_w, new_s = store(w.spill), store(w.spill)
     if not st.groups or states is None:
         return new_w, new_s, True, None, ""
