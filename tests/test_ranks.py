@@ -171,6 +171,13 @@ def test_a_pipelining_cell_has_its_own_timeline(pool):
     assert min(a.start for a in tl2.actions) > max(a.end for a in tl.actions)
     assert sorted(p.name for p in pool.cell_dir().iterdir()) == ["cell.py", "rank0.log", "rank1.log", "spans"]
     assert sorted(p.name for p in (pool.cell_dir() / "spans").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    # each pipelining record of a cell is written once, to the cell's own log: not to the rank's stderr.log too
+    for r in (0, 1):
+        cell_log = (pool.cell_dir() / f"rank{r}.log").read_text()
+        lines = [l for l in cell_log.splitlines() if "Forwarded chunk" in l or "Backwarded chunk" in l]
+        assert len(lines) >= 2, cell_log
+        stderr = pool._job.rank_log(r).read_text()
+        assert not any(l in stderr for l in lines), "a cell's pipelining record also in the rank's stderr.log"
     report = pool.idle()  # where the step's idle time went, from the cell's spans
     assert report.source == "spans" and set(report.idle) == {0, 1}
     print(f"build+step cell {first:.3f} s, step-only cell {step:.4f} s")
@@ -468,8 +475,8 @@ def test_torch_log_handlers_that_follow_sys_stderr_are_pinned_to_the_real_stderr
 
 
 def test_a_pipelining_record_is_formatted_once_for_the_rank_stderr_and_the_cell_file():
-    # live ranks write each pipelining record twice (the rank's stderr, the cell's file), with one format: the
-    # text is made once and is the same as logging.Formatter's; a handler with another format makes its own
+    # a record two handlers write with one format (the rank's stderr and a cell's file, where both take it):
+    # the text is made once and is the same as logging.Formatter's; a handler with another format makes its own
     import io
     import logging
 

@@ -225,6 +225,7 @@ def what_ran(stage, x, kwargs, n_microbatches: int, chunk_dim: int = 0) -> Ran |
     from ..spans import received
     from .noise import chunk_kwargs
 
+    received.settle()
     first = (getattr(stage, received.ATTR, None) or {}).get(0)
     if first is None:
         return None

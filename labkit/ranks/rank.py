@@ -6,8 +6,9 @@ then run every cell it is sent in one namespace that lives as long as the rank (
 daemon thread reads the socket, answers "stacks" requests (where the main thread is, for a hung
 cell) and ends the process the moment the kernel goes away (EOF), so a killed kernel leaves no
 rank behind. While a cell runs, sys.stdout/sys.stderr send every chunk to the kernel and still
-write to the rank's own log file, and a FileHandler copies torch's pipelining logs of that cell
-to `cells/<NNN>/rank<r>.log`. Taught in notebook 01 (live ranks).
+write to the rank's own log file, and a FileHandler writes torch's pipelining logs of that cell
+to `cells/<NNN>/rank<r>.log` (there only: not to the rank's stderr.log too, one write a record; the
+records made between cells stay in stderr.log). Taught in notebook 01 (live ranks).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Tee:
 
 class _FormattedOnce(logging.Formatter):
     """A format whose text a record keeps: torch's handler (bound to the rank's stderr) and the cell's file
-    write each pipelining record with the same format (PP_LOG_FORMAT), formatted once, not twice."""
+    write pipelining records with the same format (PP_LOG_FORMAT): a record both write is formatted once."""
 
     def format(self, record) -> str:
         got = record.__dict__.get("_labkit_text")
@@ -119,6 +120,15 @@ class _FormattedOnce(logging.Formatter):
         text = super().format(record)
         record._labkit_text = (self._fmt, text)
         return text
+
+
+class _NotInCell(logging.Filter):
+    """On the rank's stderr handlers: a pipelining record made while a cell runs is the cell's log's alone
+    (`run_cell` writes it there, flushed record by record), so it is written once, not twice, in every step
+    of the cell (scripts/benches/observer.py: the live ranks' cost). Every other record passes."""
+
+    def filter(self, record) -> bool:
+        return STATE.cell is None or not record.name.startswith(PP_LOGGER)
 
 
 class _ScheduleSeen(logging.Handler):
@@ -392,6 +402,7 @@ def _pin_log_handlers() -> None:
             pinned.setFormatter(_FormattedOnce(h.formatter._fmt) if plain else h.formatter)
             for f in h.filters:
                 pinned.addFilter(f)
+            pinned.addFilter(_NotInCell())
             lg.removeHandler(h)
             lg.addHandler(pinned)
 

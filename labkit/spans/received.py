@@ -7,6 +7,12 @@ guessed from the losses.
 A fingerprint costs one float64 copy and one matrix product over each input of a forward and the output
 of every stage but the last (the copy freed at once, no host sync: the sums stay on the tensor's device
 until the check reads them); scripts/benches/observer.py measures the whole kit against plain torchrun.
+An activation (a tensor that requires grad) is fingerprinted later, off the path that feeds the next stage:
+when the rank next waits for a peer (`settle`, from the spans' wait wrapper: time it would idle), when the
+step ends, or when the record is read, whichever comes first. The values are the same: the tensor is the
+one the forward received or returned, unchanged (nothing of torch's writes to a stage's output once its
+forward returned, and what a stage received is a leaf that requires grad, which autograd refuses to
+change in place).
 `labkit.spans.record`
 calls `begin` from its wrapper of `forward_one_chunk`, in every process the kit starts (jobs, live
 ranks), and `before` / `after` from its wrapper of the stage's call of its module
@@ -52,6 +58,37 @@ def _weights(n: int, device):
     return w
 
 
+PENDING: list = []  # [(record, key, index or name, tensor)]: activations whose fingerprint is due
+DUE = ("due",)  # what a record holds in a deferred fingerprint's place until `settle`
+MAX_PENDING = 64  # never more activations held for a fingerprint than this
+
+
+def _later(v, record: dict, key: str, slot):
+    """`v`'s fingerprint now, or, for an activation (a tensor that requires grad, under grad mode), a place
+    kept for it in `record[key][slot]` (`slot` None: `record[key]`) until `settle`."""
+    import torch
+
+    if torch.is_tensor(v) and v.requires_grad and torch.is_grad_enabled():
+        if len(PENDING) >= MAX_PENDING:  # stages driven by hand, with no wait or step of the kit's between
+            settle()
+        PENDING.append((record, key, slot, v))
+        return DUE
+    return fingerprint(v)
+
+
+def settle() -> None:
+    """Every deferred fingerprint taken now (the spans recorder calls it where the rank would wait for a peer,
+    and at a step's end; reading a record calls it first)."""
+    due = PENDING[:]
+    PENDING.clear()
+    for record, key, slot, t in due:
+        fp = fingerprint(t)
+        if slot is None:
+            record[key] = fp
+        else:
+            record[key][slot] = fp
+
+
 def on_host(fp):
     """A fingerprint whose sums are on the CPU (to gather it over the ranks)."""
     return fp[:3] + (fp[3].cpu(),) if fp[0] == "tensor" else fp
@@ -72,8 +109,12 @@ def before(stage, args, kwargs) -> None:
     the kit (tests/test_observer.py holds dynamo's counts against plain torchrun's)."""
     mb = getattr(stage, _CHUNK, None)
     if mb is not None and getattr(stage, ATTR, None) is not None:
-        getattr(stage, ATTR)[mb] = {"args": [fingerprint(a) for a in args],
-                                    "kwargs": {k: fingerprint(v) for k, v in kwargs.items()}, "out": None}
+        record = {"args": [None] * len(args), "kwargs": {}, "out": None}
+        for i, a in enumerate(args):
+            record["args"][i] = _later(a, record, "args", i)
+        for k, v in kwargs.items():
+            record["kwargs"][k] = _later(v, record, "kwargs", k)
+        getattr(stage, ATTR)[mb] = record
 
 
 def after(stage, out) -> None:
@@ -87,13 +128,14 @@ def after(stage, out) -> None:
     # it sent): not fingerprinted, as no check reads it
     if got is not None and got["out"] is None and not getattr(stage, "is_last", False):
         first = out[0] if isinstance(out, (tuple, list)) and out else out
-        got["out"] = fingerprint(first) if torch.is_tensor(first) else None
+        got["out"] = _later(first, got, "out", None) if torch.is_tensor(first) else None
     setattr(stage, _CHUNK, None)
 
 
 def of_stages(stages) -> dict:
     """This rank's record, on the host: {stage index: {microbatch: {"args", "kwargs", "out"}}}; a stage
     with no record (no forward under the kit) is left out."""
+    settle()
     out = {}
     for s in stages:
         got = getattr(s, ATTR, None)

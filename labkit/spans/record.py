@@ -206,10 +206,13 @@ def _module_call_wrapper(inner):
 
 
 def _not_recorded(stage, e: Exception) -> None:
-    if not getattr(stage, "_labkit_received_said", False):
-        stage._labkit_received_said = True
-        print(f"[labkit] stage {getattr(stage, 'stage_index', '?')}: inputs not recorded for the step check: "
-              f"{type(e).__name__}: {e}", file=sys.stderr)
+    """Said once a stage (`stage` None: once for the deferred fingerprints of every stage)."""
+    holder = stage if stage is not None else _not_recorded
+    if not getattr(holder, "_labkit_received_said", False):
+        holder._labkit_received_said = True
+        which = f"stage {getattr(stage, 'stage_index', '?')}" if stage is not None else "a stage"
+        print(f"[labkit] {which}: inputs not recorded for the step check: {type(e).__name__}: {e}",
+              file=sys.stderr)
 
 
 def _pipeline_of(stage) -> list[int]:
@@ -302,9 +305,20 @@ def _post_wrapper(inner):
     return _as(inner, wrapper)
 
 
+def _settle() -> None:
+    """The activations' deferred fingerprints taken (labkit.spans.received.settle)."""
+    try:
+        received.settle()
+    except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
+        received.PENDING.clear()
+        _not_recorded(None, e)
+
+
 def _wait_wrapper(inner):
     def wrapper(works, *args, **kwargs):
         t_in = _clock()
+        if works and received.PENDING:  # the rank is about to wait for a peer: the fingerprints due first
+            _settle()
         rec = RECORDER
         if rec is None or not rec.enabled:
             return inner(works, *args, **kwargs)
@@ -344,9 +358,14 @@ def _step_wrapper(inner, grads: bool = True):
         try:
             out = inner(self, *args, **kwargs)
         except BaseException:
-            rec.end_step((t_in, t_call, _clock()))
+            t_back = _clock()
+            if received.PENDING:
+                _settle()
+            rec.end_step((t_in, t_call, t_back))
             raise
         t_back = _clock()  # the numbers are read after it: the kit's bookkeeping, measured as such
+        if received.PENDING:  # the fingerprints still due (a forward-only step waits for no gradient)
+            _settle()
         numbers = _step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
         rec.end_step((t_in, t_call, t_back), numbers)
         return out
