@@ -19,6 +19,7 @@ from labkit.timeline.compare import load_timeline, one_step
 from labkit.spans import explain_idle_spans, read_spans, timeline_from_spans
 from labkit.spans.quiet import quiet_baseline
 from labkit.spans import record as rec_mod
+from labkit.spans import numbers as numbers_mod
 from labkit.spans import recorder as recorder_mod
 from labkit.spans.read import Span
 
@@ -283,11 +284,11 @@ def test_a_span_line_is_what_json_writes_for_it():
 
 
 def test_the_gradient_norm_is_the_norm_of_each_parameters_float64_norm():
-    """_step_numbers' norm (one foreach call) is bit for bit the float64 norm of each gradient's float64 norm,
+    """step_numbers' norm (labkit.spans.numbers.norm64: one foreach call) is bit for bit the float64 norm of each gradient's float64 norm,
     mixed dtypes included."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g) for n in (5, 300, 1, 4096, 77)] + [torch.randn(9, 9, generator=g).bfloat16()]
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64) for x in grads]))
-    got = rec_mod._norm64(grads)
+    got = numbers_mod.norm64(grads)
     assert got.dtype == torch.float64 and float(got) == float(want)
-    assert float(rec_mod._norm64([grads[1]])) == float(torch.linalg.vector_norm(grads[1], dtype=torch.float64))
+    assert float(numbers_mod.norm64([grads[1]])) == float(torch.linalg.vector_norm(grads[1], dtype=torch.float64))

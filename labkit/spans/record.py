@@ -42,7 +42,7 @@ kit's seconds in it. `labkit.spans.read` gives them per rank as `instrument_over
 `labkit.spans.idle` counts the pieces inside a gap between two actions as their own cause
 ("instrument overhead"), apart from the runtime's.
 
-What a step computed is on that line too (`_step_numbers`): the microbatches' losses the caller
+What a step computed is on that line too (`labkit.spans.numbers`): the microbatches' losses the caller
 passed (`losses=`) as exact floats, and each of the schedule's stages' gradient norm in float64 (of the
 local shard under FSDP / DTensor), read after torch's step returned, under no_grad, outside any compiled
 region: `labkit timeline --compare A B --numbers` says the first step two runs differ in, bit for bit.
@@ -60,7 +60,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import received
+from . import held, received
+from .numbers import step_numbers
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
 from .recorder import Recorder, _cpu
@@ -83,7 +84,9 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
         out_dir = out_dir or os.environ.get(SPANS_DIR_VAR)
         RECORDER = Recorder(Path(out_dir) / f"rank{rank}.jsonl" if out_dir else None, rank)
         _patch()
+        held.watch_loggers()
         atexit.register(RECORDER.flush)
+        atexit.register(held.release)  # runs before logging's own shutdown (registered earlier, run later)
     return RECORDER
 
 
@@ -143,6 +146,8 @@ def _compute_wrapper(inner, kind_of):
 
     def wrapper(self, chunk_id, *args, **kwargs):
         t_in = _clock()
+        if held.HOLD.records:  # a compute starts: every record made before it is written first
+            held.release()
         if not backward:
             _received(self, chunk_id)
         rec = RECORDER
@@ -281,7 +286,10 @@ def _post_wrapper(inner):
         t_in = _clock()
         rec = RECORDER
         if rec is None or not rec.enabled or rec.p2p_depth:  # nested: the outer call's span covers it
-            return inner(p2p_ops, *args, **kwargs)
+            works = inner(p2p_ops, *args, **kwargs)
+            if held.HOLD.records:
+                held.release()
+            return works
         rec.p2p_depth += 1
         try:
             start = rec.now()
@@ -293,6 +301,8 @@ def _post_wrapper(inner):
             end = rec.now()
         finally:
             rec.p2p_depth -= 1
+        if held.HOLD.records:  # the send or receive is posted: the records made before it are written now
+            held.release()
         row = None
         if p2p_ops:
             what = _direction(p2p_ops)
@@ -317,6 +327,8 @@ def _settle() -> None:
 def _wait_wrapper(inner):
     def wrapper(works, *args, **kwargs):
         t_in = _clock()
+        if held.HOLD.records:  # the rank may wait: every record made before is written first
+            held.release()
         if works and received.PENDING:  # the rank is about to wait for a peer: the fingerprints due first
             _settle()
         rec = RECORDER
@@ -347,87 +359,37 @@ def _wait_wrapper(inner):
 
 def _step_wrapper(inner, grads: bool = True):
     """A schedule's `step` (`grads`: its stages' gradient norms recorded too) or `eval`: its spans written
-    when it returns, with its numbers (`_step_numbers`) on its `end_step` line."""
+    when it returns, with its numbers (`labkit.spans.numbers`) on its `end_step` line."""
     def wrapper(self, *args, **kwargs):
         t_in = _clock()
         rec = RECORDER
         if rec is None:
             return inner(self, *args, **kwargs)
         rec.begin_step(type(self).__name__, self)  # its first step in this process is marked (a warm-up)
+        outer = rec.depth == 1
+        if outer:  # torch's records held a moment where they would delay a hand-off (labkit.spans.held)
+            held.watch_loggers()
+            held.HOLD.on = held.holds(self)
         t_call = _clock()
         try:
             out = inner(self, *args, **kwargs)
         except BaseException:
             t_back = _clock()
+            if outer:
+                held.HOLD.on = False
+                held.release()
             if received.PENDING:
                 _settle()
             rec.end_step((t_in, t_call, t_back))
             raise
         t_back = _clock()  # the numbers are read after it: the kit's bookkeeping, measured as such
+        if outer:
+            held.HOLD.on = False
+            held.release()
         if received.PENDING:  # the fingerprints still due (a forward-only step waits for no gradient)
             _settle()
-        numbers = _step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
+        numbers = step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
         rec.end_step((t_in, t_call, t_back), numbers)
         return out
 
     return _as(inner, wrapper)
-
-
-_NUMBERS_SAID: list[str] = []
-
-
-def _norm64(grads: list):
-    """The 2-norm of all `grads` together in float64 (one tensor on their device): each gradient's norm
-    accumulated in float64, as `torch.linalg.vector_norm(g, dtype=torch.float64)` gives it, in ONE call
-    (a Python call and a dispatch a parameter cost more than the norms themselves
-    in a small model's step: `labkit.versions.float64_norms`), then the norm of those norms."""
-    import torch
-
-    from ..versions import float64_norms
-
-    per = float64_norms([g.detach() for g in grads])
-    return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]) if len(per) > 1 else per[0])
-
-
-def _step_numbers(schedule, losses, grads: bool) -> dict | None:
-    """What a step computed, for its `end_step` line (`labkit timeline --compare A B --numbers`): `losses`,
-    the microbatches' losses the caller passed in (`losses=`, on the last stage's rank) as exact floats, and
-    `grad_norms`, {stage index: the 2-norm of its gradients in float64} for each of the schedule's stages on
-    this rank whose parameters have gradients (`grad_norms_local`: under FSDP / DTensor, of this rank's shard
-    only). Read after torch's step returned, in eager code under no_grad, never inside a compiled region;
-    nothing of the user's is changed. Cost: one call of torch's foreach norm a stage (`_norm64`) and one host
-    read per step."""
-    try:
-        import torch
-
-        from ..versions import schedule_state
-
-        if torch.compiler.is_compiling():
-            return None
-        out: dict = {}
-        with torch.no_grad():
-            if isinstance(losses, list) and losses:
-                vals = [x.detach().to_local() if hasattr(x, "to_local") else x.detach() for x in losses
-                        if isinstance(x, torch.Tensor) and x.numel() == 1]
-                if vals:  # exact: float32 and bfloat16 fit a float64, and JSON writes floats as repr
-                    out["losses"] = torch.stack([v.reshape(()).double() for v in vals]).tolist()
-            idx, norms, local = [], [], False
-            for stage in schedule_state(schedule)[1] if grads else ():
-                gs = [p.grad for p in stage.submod.parameters() if p.grad is not None]
-                if gs:
-                    if any(type(g) is not torch.Tensor for g in gs):  # a DTensor (FSDP, TP): this rank's shard
-                        local = local or any(hasattr(g, "to_local") for g in gs)
-                        gs = [g.to_local() if hasattr(g, "to_local") else g for g in gs]
-                    norms.append(_norm64(gs))
-                    idx.append(stage.stage_index)
-            if norms:
-                out["grad_norms"] = {str(i): v for i, v in zip(idx, torch.stack(norms).tolist())}
-                if local:
-                    out["grad_norms_local"] = True
-        return out or None
-    except Exception as e:  # noqa: BLE001  (never break the user's step over the record)
-        if not _NUMBERS_SAID:
-            _NUMBERS_SAID.append(str(e))
-            print(f"[labkit] this step's losses and gradient norms are not recorded: {type(e).__name__}: {e}",
-                  file=sys.stderr)
-        return None

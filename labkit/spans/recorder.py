@@ -219,7 +219,7 @@ class Recorder:
 
     def end_step(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None) -> None:
         """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock);
-        `numbers`: what the step computed (losses, gradient norms: `labkit.spans.record._step_numbers`)."""
+        `numbers`: what the step computed (losses, gradient norms: `labkit.spans.numbers.step_numbers`)."""
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
             self.flush(times, numbers)

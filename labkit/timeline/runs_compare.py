@@ -1,5 +1,5 @@
 """Two runs' numbers held against each other bit for bit: each step's losses and each stage's gradient norm,
-as every rank the kit starts records them on its steps' `end_step` lines (`labkit.spans.record._step_numbers`).
+as every rank the kit starts records them on its steps' `end_step` lines (`labkit.spans.numbers.step_numbers`).
 `compare_numbers(a, b)` says how many steps were compared, the first step in which the runs differ and in
 what, and the largest difference, absolute and relative, with its step: `labkit timeline --compare A B
 --numbers`. Steps count from 0, as the spans files number them, and are paired in order.
