@@ -22,7 +22,8 @@ pair, because these machines are noisy: never compare absolute times across runs
 6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control) [capture]; the
    pipelining logs' and the spans' cost as a user launches, whole jobs in pairs, quiet and loaded
    (`--only as_launched`) [as_launched]; the kit against plain torchrun on one user script, eager and
-   compiled, launched and in live ranks: step time and peak memory (`--only observer`) [observer]; the run
+   compiled, launched and in live ranks: step time and peak memory (`--only observer`) [observer], and the
+   instruments' own cost inside one job, steps in pairs (`--only observer_within`) [observer.within]; the run
    watch, a 100-step run checked every 10 steps against the run alone, and a bug at step 37 named
    (`--only watch`) [watch], and its peak memory with slices= against the step's (`--only watch_memory`)
    [watch_memory];
@@ -58,7 +59,7 @@ from benches.capture import (_on_off_pairs, capture_overhead, capture_within_job
 from benches.check_cost import CHECK_HEADING, _check_cost_rows, check_cost  # noqa: E402, F401
 from benches.check_scale import SCALE_HEADING, _check_scale_rows, check_scale  # noqa: E402, F401
 from benches.as_launched import AS_LAUNCHED_HEADING, _as_launched_rows, as_launched  # noqa: E402, F401
-from benches.observer import OBSERVER_HEADING, _observer_rows, observer  # noqa: E402, F401
+from benches.observer import OBSERVER_HEADING, _observer_rows, observer, within  # noqa: E402, F401
 from benches.watch import WATCH_HEADING, _watch_rows, watch_bench  # noqa: E402, F401
 from benches.watch_memory import WATCH_MEMORY_HEADING, _watch_memory_rows, watch_memory  # noqa: E402, F401
 from benches.common import (BENCH_DIR, REPO_ROOT, _reference_launch, _rounds, _torch,  # noqa: E402, F401
@@ -92,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pairs", type=int, default=15, help="--only launch: how many interleaved pairs (>= 7)")
     ap.add_argument("--only", default=None, choices=["live_ranks", "notebooks", "live_ranks,notebooks", "spans",
                                                       "instruments", "paper", "launch", "startup", "check", "warm",
-                                                      "scale", "as_launched", "observer", "watch",
+                                                      "scale", "as_launched", "observer", "observer_within", "watch",
                                                       "watch_memory"],
                     help="measure only these and update them in the existing results (each keeps its own date)")
     return ap.parse_args(argv)
@@ -236,7 +237,10 @@ def update_only(out: Path, only: str, pairs: int) -> dict:
     if only == "as_launched":  # whole jobs as a user launches them, quiet and beside busy loops
         res["as_launched"] = {**as_launched(), "date": stamp, "torch": _torch()}
     if only == "observer":  # the same user script under the kit and under plain torchrun, quiet and loaded
-        res["observer"] = {**observer(), "date": stamp, "torch": _torch()}
+        res["observer"] = {**observer(), "date": stamp, "torch": _torch(),
+                           **({"within": res["observer"]["within"]} if "within" in res.get("observer", {}) else {})}
+    if only == "observer_within":  # the instruments' own cost inside one job, steps in pairs
+        res.setdefault("observer", {})["within"] = {**within(), "date": stamp, "torch": _torch()}
     if only == "watch":  # a 100-step run checked every 10 steps against the run alone, and a bug at step 37
         res["watch"] = {**watch_bench(), "date": stamp, "torch": _torch()}
     if only == "watch_memory":  # the watch's peak memory with slices= against the step's, per rank

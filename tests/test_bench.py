@@ -307,6 +307,22 @@ def test_the_observer_rows_say_each_way_and_condition():
     assert "| live ranks eager | a busy loop a core (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
 
 
+def test_the_observer_section_says_the_instruments_cost_inside_one_job():
+    """Under the observer's table: each way's step and CPU with every instrument on over off, pairs of steps in one
+    job, and the step with them off."""
+    s = {"median": 1.01, "min": 0.97, "max": 1.04, "ratios": [1.01] * 5}
+    row = {w: {"step": s, "peak": s} for w in ("launch eager", "launch compiled", "live ranks eager")}
+    fig = {"step": 1.0213, "cpu": 1.0448, "pairs": 150, "off_step_s": 0.1223}
+    ob = {"pairs": 5, "compiled_pairs": 3, "steps": 20, "model": "m", "quiet": {**row, "load": [0.3, 0.5]},
+          "within": {"pairs": 150, "load": 1.2, "launch eager": fig, "live ranks eager": {**fig, "step": 1.04}}}
+    text = "\n".join(bench._observer_rows(ob))
+    assert "150 pairs of steps" in text and "load 1.2 at the end" in text
+    assert "| launch eager | 1.021x | 1.045x | 122 ms |" in text and "| live ranks eager | 1.040x |" in text
+    assert "| launch compiled |" not in text.split("inside one job")[1]  # a way not measured: no row
+    del ob["within"]
+    assert "inside one job" not in "\n".join(bench._observer_rows(ob))
+
+
 def test_the_watch_rows_say_the_cost_and_the_step_named():
     """RESULTS.md's section of the run watch: the clean run's ratio (median and range of its pairs) and the
     step the watch named for the bug."""

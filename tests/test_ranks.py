@@ -131,6 +131,18 @@ def test_notebook_output_is_live_then_grouped_by_rank(monkeypatch, capsys):
 
 
 @pytest.mark.launches
+def test_a_pool_that_shows_nothing_keeps_the_cells_text_and_a_wrong_live_is_refused(capsys):
+    from labkit.ranks.output import CellOutput
+
+    out = CellOutput("none")
+    out.write(1, "stdout", "b\n")
+    out.write(0, "stdout", "a\n")
+    out.finish()
+    assert out.text() == "[rank0] a\n[rank1] b\n" and capsys.readouterr() == ("", "")
+    with pytest.raises(labkit.ConfigError, match="live must be one of 'auto', 'print', 'notebook', 'none', got 'loud'"):
+        labkit.Ranks(nproc=2, device="cpu", live="loud")
+
+
 def test_status_names_every_rank(pool):
     pool.exec("pass")  # a cell run on this pool, whatever ran before this test on its worker
     st = pool.status()

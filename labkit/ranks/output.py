@@ -20,6 +20,7 @@ import time
 
 from ..core.progress import in_notebook
 
+LIVE_MODES = ("auto", "print", "notebook", "none")  # "none": kept for `text()`, shown nowhere (scripts, benches)
 LIVE_LINES = 200  # the live display shows the newest lines; the grouped print at the end has all
 UPDATE_EVERY_S = 0.1
 
@@ -62,7 +63,7 @@ class CellOutput:
         self.lines.setdefault((rank, stream), []).append(text)
         if self.mode == "print":
             print(text, file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
-        else:
+        elif self.mode == "notebook":
             self.order.append((stream, text))
             self._dirty = True
             if self._handle is None and not self._finished:  # made at the first line: silent cells show nothing

@@ -38,7 +38,7 @@ from . import channel
 from .cell import Cell
 from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint, pipeline_terms
 from .job import Job, StartError
-from .output import CellOutput
+from .output import LIVE_MODES, CellOutput
 from .readings import CellReadings
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LABKIT_RANKS_TIMEOUT", "120"))  # a cell's deadline
@@ -68,7 +68,8 @@ class Ranks(CellReadings):
 
     device: "auto" (one GPU per rank when there are enough, else CPU), "cpu" or "cuda".
     timeout: a cell's default deadline in seconds ($LABKIT_RANKS_TIMEOUT or 120); exec(timeout=) overrides it.
-    live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook".
+    live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook", or
+    "none" (shown nowhere: a script's or a bench's pool; each cell's output is still in the rank logs).
     runs_root / out: where the pool's run directory goes (as for `labkit.launching.launch`).
     """
 
@@ -79,6 +80,9 @@ class Ranks(CellReadings):
             raise ConfigError(f"nproc must be a whole number >= 1, got {nproc!r}.")
         if device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+        if live not in LIVE_MODES:
+            raise ConfigError(f"live must be one of {', '.join(map(repr, LIVE_MODES))}, got {live!r}: \"auto\" shows "
+                              "a cell's lines live in Jupyter and prints them elsewhere.")
         self.timeout = self._check_timeout(timeout)
         preflight_device(device, nproc)
         self.nproc, self.device, self.live = nproc, device, live

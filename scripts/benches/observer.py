@@ -62,6 +62,102 @@ USER_SCRIPT = textwrap.dedent("""
 """)
 
 
+WITHIN_SCRIPT = textwrap.dedent("""
+    import json, logging, statistics, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from labkit.models import cut_small_lm, lm_loss, small_lm
+    from labkit.spans import received, record
+
+    own = not dist.is_initialized()  # a live rank's cell: the pool's process group
+    if own:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs, compiled = int(sys.argv[1]), sys.argv[2] == "compiled"
+    torch.manual_seed(0)
+    full = small_lm(8, dim=128)
+    blocks = list(range(rank * 8 // world, (rank + 1) * 8 // world))
+    module = cut_small_lm(full, blocks, rank == 0, rank == world - 1)
+    if compiled:
+        module.compile()
+    stage = PipelineStage(module, rank, world, "cpu")
+    schedule = Schedule1F1B(stage, 4, loss_fn=lm_loss)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (16, 64), generator=g), torch.randint(0, 128, (16, 64), generator=g)
+    pp, real = logging.getLogger("torch.distributed.pipelining"), (received.before, received.after)
+    level = pp.level
+
+    def instruments(on):  # every instrument of the kit's in this rank on, or every one off
+        pp.setLevel(level if on else logging.INFO)
+        record.RECORDER.enabled = on
+        received.before, received.after = real if on else ((lambda *a: None), (lambda *a: None))
+
+    def step(on):
+        instruments(on)
+        dist.barrier()
+        t, c = time.perf_counter(), time.thread_time()
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+        c = time.thread_time() - c
+        dist.barrier()
+        return time.perf_counter() - t, c
+
+    for _ in range(3):
+        step(True)
+    wall, cpu, base = [], [], []
+    for i in range(pairs):  # each pair's order alternating: on-off, off-on
+        a, b = (step(True), step(False)) if i % 2 == 0 else reversed((step(False), step(True)))
+        wall.append(a[0] - b[0])
+        cpu.append(a[1] - b[1])
+        base.append(b)
+    instruments(True)
+    WITHIN = {"wall": wall, "cpu": cpu, "off_wall": statistics.median(w for w, _ in base),
+              "off_cpu": statistics.median(c for _, c in base)}
+    print(f"WITHIN {rank} " + json.dumps(WITHIN), flush=True)
+    if own:
+        dist.destroy_process_group()
+""")
+
+
+def _within_figures(got: dict) -> dict:
+    """Rank 0's step time (the barriers make both ranks' alike) and the ranks' CPU a step: the median of the
+    pairs' differences (instruments on minus off), over the median step with them off."""
+    r0 = got[0]
+    cpu = [sum(g["cpu"][i] for g in got.values()) for i in range(len(r0["cpu"]))]
+    return {"step": 1 + statistics.median(r0["wall"]) / r0["off_wall"],
+            "cpu": 1 + statistics.median(cpu) / sum(g["off_cpu"] for g in got.values()),
+            "pairs": len(r0["wall"]), "off_step_s": r0["off_wall"]}
+
+
+def within(pairs: int = 150) -> dict:
+    """The kit's instruments' own cost inside one job: steps in pairs, every instrument on against every one
+    off (the pipelining logs' level, the spans recorder, the input fingerprints), each pair's order
+    alternating; launched eager and compiled (`labkit launch`), and in a live-ranks cell."""
+    import labkit
+    from labkit.launching.launch import launch
+
+    out = {"pairs": pairs}
+    with tempfile.TemporaryDirectory() as tmp:
+        script, runs = Path(tmp) / "within.py", Path(tmp) / "runs"
+        script.write_text(WITHIN_SCRIPT)
+        for how in ("eager", "compiled"):
+            r = launch(script, [str(pairs), how], nproc=2, runs_root=runs, progress=False, stream="none")
+            text = r.log(0, "stdout") + "\n" + r.log(1, "stdout")
+            got = {int(k): json.loads(v) for k, v in re.findall(r"WITHIN (\d+) (\{[^{}]*\})", text)}
+            if sorted(got) != [0, 1]:
+                raise RuntimeError(f"the within-job script printed no figures:\n{text[-2000:]}")
+            out[f"launch {how}"] = _within_figures(got)
+        pool = labkit.Ranks(nproc=2, device="cpu", runs_root=runs, live="none")
+        try:
+            got = pool.exec(f"import runpy, sys\nsys.argv = [{str(script)!r}, '{pairs}', 'eager']\n"
+                            f"runpy.run_path({str(script)!r}, run_name='__main__')['WITHIN']\n")
+        finally:
+            pool.close()
+        out["live ranks eager"] = _within_figures({int(k): v for k, v in got.items()})
+    out["load"] = round(os.getloadavg()[0], 1)
+    return out
+
+
 def _read(text: str) -> tuple[float, int, float]:
     """The median warm step (rank 0's; the barriers make both ranks' alike) and the larger rank's peak."""
     # both ranks of plain torchrun write to one pipe: their lines may run into each other
@@ -181,4 +277,19 @@ def _observer_rows(ob: dict | None) -> list[str]:
     return ["", f"## {OBSERVER_HEADING}", "", how, "",
             "| the kit | machine | step, median (range) | CPU a step, median (range) | peak memory, median (range) |",
             "| --- | --- | --- | --- | --- |",
-            *rows]
+            *rows, *_within_rows(ob.get("within"))]
+
+
+def _within_rows(w: dict | None) -> list[str]:
+    """The instruments' own cost inside one job (`within`), under the section's table."""
+    if not w:
+        return []
+    when = f", measured {w['date']}" if w.get("date") else ""
+    rows = [f"| {way} | {w[way]['step']:.3f}x | {w[way]['cpu']:.3f}x | {w[way]['off_step_s'] * 1e3:.0f} ms |"
+            for way in ("launch eager", "launch compiled", "live ranks eager") if way in w]
+    return ["", f"The instruments' own cost inside one job (the same model and schedule; {w['pairs']} pairs of steps, "
+            "every instrument on against every one off: the pipelining logs, the spans recorder, the input "
+            f"fingerprints; each pair's order alternating; load {w['load']} at the end{when}): the median of the "
+            "pairs' differences over the step with them off. Whole jobs scatter by more than this; pairs of steps "
+            "inside one job share the machine's state.", "",
+            "| the kit | step | CPU a step | step, instruments off |", "| --- | --- | --- | --- |", *rows]
