@@ -24,18 +24,8 @@ import textwrap
 from pathlib import Path
 
 OBSERVER_HEADING = "The kit against plain torchrun: the same script's step time and peak memory"
-USER_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, time
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from labkit.models import cut_small_lm, lm_loss, small_lm
-
-    own = not dist.is_initialized()  # a live rank's cell: the pool's process group
-    if own:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps, warm, compiled = int(sys.argv[1]), 3, sys.argv[2] == "compiled"
+_SETUP = """    rank, world = dist.get_rank(), dist.get_world_size()
+    n, compiled = int(sys.argv[1]), sys.argv[2] == "compiled"
     torch.manual_seed(0)
     full = small_lm(8, dim=128)
     blocks = list(range(rank * 8 // world, (rank + 1) * 8 // world))
@@ -46,6 +36,19 @@ USER_SCRIPT = textwrap.dedent("""
     schedule = Schedule1F1B(stage, 4, loss_fn=lm_loss)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 128, (16, 64), generator=g), torch.randint(0, 128, (16, 64), generator=g)
+"""  # each script's model, stage, schedule and batch: n and compiled from its arguments
+
+USER_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from labkit.models import cut_small_lm, lm_loss, small_lm
+
+    own = not dist.is_initialized()  # a live rank's cell: the pool's process group
+    if own:
+        dist.init_process_group("gloo")
+""" + _SETUP + """    steps, warm = n, 3
     times, cpu = [], []
     for i in range(warm + steps):
         dist.barrier()
@@ -73,18 +76,7 @@ WITHIN_SCRIPT = textwrap.dedent("""
     own = not dist.is_initialized()  # a live rank's cell: the pool's process group
     if own:
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pairs, compiled = int(sys.argv[1]), sys.argv[2] == "compiled"
-    torch.manual_seed(0)
-    full = small_lm(8, dim=128)
-    blocks = list(range(rank * 8 // world, (rank + 1) * 8 // world))
-    module = cut_small_lm(full, blocks, rank == 0, rank == world - 1)
-    if compiled:
-        module.compile()
-    stage = PipelineStage(module, rank, world, "cpu")
-    schedule = Schedule1F1B(stage, 4, loss_fn=lm_loss)
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 128, (16, 64), generator=g), torch.randint(0, 128, (16, 64), generator=g)
+""" + _SETUP + """    pairs = n
     pp, real = logging.getLogger("torch.distributed.pipelining"), (received.before, received.after)
     level = pp.level
 
