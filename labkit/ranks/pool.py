@@ -69,7 +69,7 @@ class Ranks(CellReadings):
     device: "auto" (one GPU per rank when there are enough, else CPU), "cpu" or "cuda".
     timeout: a cell's default deadline in seconds ($LABKIT_RANKS_TIMEOUT or 120); exec(timeout=) overrides it.
     live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook", or
-    "none" (shown nowhere: a script's or a bench's pool; each cell's output is still in the rank logs).
+    "none" or None (shown nowhere: a script's or a bench's pool; each cell's output is still in the rank logs).
     runs_root / out: where the pool's run directory goes (as for `labkit.launching.launch`).
     """
 
@@ -80,6 +80,7 @@ class Ranks(CellReadings):
             raise ConfigError(f"nproc must be a whole number >= 1, got {nproc!r}.")
         if device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}.")
+        live = "none" if live is None else live  # None: shown nowhere, as "none"
         if live not in LIVE_MODES:
             raise ConfigError(f"live must be one of {', '.join(map(repr, LIVE_MODES))}, got {live!r}: \"auto\" shows "
                               "a cell's lines live in Jupyter and prints them elsewhere.")

@@ -4,7 +4,6 @@
   I, W (and each post of / wait for a send or receive) is timed at both ends, CUDA events on GPUs;
   loaded by `boot/sitecustomize.py` in every rank the launcher starts (a user's plain script too);
 - `numbers`: what each step computed (its losses, each stage's gradient norm), on its `end_step` line;
-- `held`: torch's pipelining records held a moment, written right after a post (not before it), on CPU;
 - `received`: what each stage's forward received and returned, fingerprinted for the step check;
 - `read`: spans files into a `Timeline` whose source is "spans";
 - `quiet`: when a timing may be compared (the quiet-baseline rule, stated once);

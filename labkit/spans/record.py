@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import held, received
+from . import received
 from .numbers import step_numbers
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
@@ -84,9 +84,7 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
         out_dir = out_dir or os.environ.get(SPANS_DIR_VAR)
         RECORDER = Recorder(Path(out_dir) / f"rank{rank}.jsonl" if out_dir else None, rank)
         _patch()
-        held.watch_loggers()
         atexit.register(RECORDER.flush)
-        atexit.register(held.release)  # runs before logging's own shutdown (registered earlier, run later)
     return RECORDER
 
 
@@ -146,8 +144,6 @@ def _compute_wrapper(inner, kind_of):
 
     def wrapper(self, chunk_id, *args, **kwargs):
         t_in = _clock()
-        if held.HOLD.records:  # a compute starts: every record made before it is written first
-            held.release()
         if not backward:
             _received(self, chunk_id)
         rec = RECORDER
@@ -286,10 +282,7 @@ def _post_wrapper(inner):
         t_in = _clock()
         rec = RECORDER
         if rec is None or not rec.enabled or rec.p2p_depth:  # nested: the outer call's span covers it
-            works = inner(p2p_ops, *args, **kwargs)
-            if held.HOLD.records:
-                held.release()
-            return works
+            return inner(p2p_ops, *args, **kwargs)
         rec.p2p_depth += 1
         try:
             start = rec.now()
@@ -301,8 +294,6 @@ def _post_wrapper(inner):
             end = rec.now()
         finally:
             rec.p2p_depth -= 1
-        if held.HOLD.records:  # the send or receive is posted: the records made before it are written now
-            held.release()
         row = None
         if p2p_ops:
             what = _direction(p2p_ops)
@@ -327,8 +318,6 @@ def _settle() -> None:
 def _wait_wrapper(inner):
     def wrapper(works, *args, **kwargs):
         t_in = _clock()
-        if held.HOLD.records:  # the rank may wait: every record made before is written first
-            held.release()
         if works and received.PENDING:  # the rank is about to wait for a peer: the fingerprints due first
             _settle()
         rec = RECORDER
@@ -366,26 +355,16 @@ def _step_wrapper(inner, grads: bool = True):
         if rec is None:
             return inner(self, *args, **kwargs)
         rec.begin_step(type(self).__name__, self)  # its first step in this process is marked (a warm-up)
-        outer = rec.depth == 1
-        if outer:  # torch's records held a moment where they would delay a hand-off (labkit.spans.held)
-            held.watch_loggers()
-            held.HOLD.on = held.holds(self)
         t_call = _clock()
         try:
             out = inner(self, *args, **kwargs)
         except BaseException:
             t_back = _clock()
-            if outer:
-                held.HOLD.on = False
-                held.release()
             if received.PENDING:
                 _settle()
             rec.end_step((t_in, t_call, t_back))
             raise
         t_back = _clock()  # the numbers are read after it: the kit's bookkeeping, measured as such
-        if outer:
-            held.HOLD.on = False
-            held.release()
         if received.PENDING:  # the fingerprints still due (a forward-only step waits for no gradient)
             _settle()
         numbers = step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
