@@ -130,7 +130,6 @@ def test_notebook_output_is_live_then_grouped_by_rank(monkeypatch, capsys):
     assert got.out == "[rank0] a1\n[rank0] a2\n[rank1] b1\n[rank1] b2\n" and got.err == "[rank0] warn\n"
 
 
-@pytest.mark.launches
 def test_a_pool_that_shows_nothing_keeps_the_cells_text_and_a_wrong_live_is_refused(capsys):
     from labkit.ranks.output import CellOutput
 
@@ -143,6 +142,7 @@ def test_a_pool_that_shows_nothing_keeps_the_cells_text_and_a_wrong_live_is_refu
         labkit.Ranks(nproc=2, device="cpu", live="loud")
 
 
+@pytest.mark.launches
 def test_status_names_every_rank(pool):
     pool.exec("pass")  # a cell run on this pool, whatever ran before this test on its worker
     st = pool.status()
