@@ -283,6 +283,30 @@ def test_a_span_line_is_what_json_writes_for_it():
         assert recorder_mod._line(3, 11, host, *row) == json.dumps(want) + "\n"
 
 
+def test_spans_written_ahead_where_the_rank_idles_give_the_same_file(tmp_path, monkeypatch):
+    """Recorder.ahead (called where a wait blocks) writes out a step's finished spans early: the step's file is
+    byte for byte the one written all at its end, loose pieces of the kit's time on the last span included."""
+    monkeypatch.setattr(recorder_mod.Recorder, "meta", lambda self: {"rank": self.rank})
+    files = []
+    for early in (False, True):
+        r = recorder_mod.Recorder(tmp_path / f"{early}.jsonl", 0)
+        for step in range(2):
+            r.begin_step("Schedule1F1B")
+            for i in range(7):
+                t = 1000.0 + step + i * 0.01
+                row = r.add(["F", "SEND", "WAIT", "B"][i % 4], i % 2, i // 2, t, t + 0.004, "send" if i % 4 else "",
+                            cpu=((0.5 + i, 0.001), (0.503 + i, 0.002)))
+                r.own(row if i != 4 else None, t - 1e-5, t, t + 0.004, t + 0.0041)
+                if early and i in (2, 3, 5):
+                    r.ahead()
+            if early:
+                assert 0 < len(r.lines) < len(r.buf)
+            r.own(None, 1000.2, 1000.2001, 1000.2002, 1000.2003)  # after the last span: joins its line
+            r.end_step()
+        files.append((tmp_path / f"{early}.jsonl").read_text())
+    assert files[0] == files[1] and files[0].count('"kind"') == 14 and files[0].count('"kit"') == 4
+
+
 def test_the_gradient_norm_is_the_norm_of_each_parameters_float64_norm():
     """step_numbers' norm (labkit.spans.numbers.norm64: one foreach call) is bit for bit the float64 norm of each gradient's float64 norm,
     mixed dtypes included."""

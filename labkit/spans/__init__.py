@@ -5,6 +5,7 @@
   loaded by `boot/sitecustomize.py` in every rank the launcher starts (a user's plain script too);
 - `numbers`: what each step computed (its losses, each stage's gradient norm), on its `end_step` line;
 - `received`: what each stage's forward received and returned, fingerprinted for the step check;
+- `held`: torch's pipelining records held, on CPU, and written where the rank would idle;
 - `read`: spans files into a `Timeline` whose source is "spans";
 - `quiet`: when a timing may be compared (the quiet-baseline rule, stated once);
 - `idle`: every idle moment of a step, by cause, from the spans;

@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import received
+from . import held, received
 from .numbers import step_numbers
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
@@ -84,7 +84,9 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
         out_dir = out_dir or os.environ.get(SPANS_DIR_VAR)
         RECORDER = Recorder(Path(out_dir) / f"rank{rank}.jsonl" if out_dir else None, rank)
         _patch()
+        held.watch_loggers()
         atexit.register(RECORDER.flush)
+        atexit.register(held.release)  # runs before logging's own shutdown (registered earlier, run later)
     return RECORDER
 
 
@@ -315,12 +317,38 @@ def _settle() -> None:
         _not_recorded(None, e)
 
 
+def _idle(rec: Recorder | None = None) -> None:
+    """Where the rank would idle (a wait that blocks), or at the step's end: torch's held records written, the
+    activations' deferred fingerprints taken (labkit.spans.held, labkit.spans.received) and, with `rec`, the
+    step's finished spans written out (`Recorder.ahead`)."""
+    if held.HOLD.records:
+        held.release()
+    if received.PENDING:
+        _settle()
+    if rec is not None and rec.enabled:
+        rec.ahead()
+
+
+def _due(rec: Recorder | None) -> bool:
+    """Whether any of the kit's deferred work is due (`_idle`)."""
+    return bool(held.HOLD.records or received.PENDING or (rec is not None and len(rec.buf) > len(rec.lines) + 1))
+
+
+def _blocks(works) -> bool:
+    """Whether waiting for `works` would block: one of them is not complete yet (the time the rank would idle,
+    where the kit's deferred work costs the step nothing). Where it cannot be told: True."""
+    try:
+        return not all(w.is_completed() for w in works)
+    except Exception:  # noqa: BLE001  (a work without is_completed)
+        return True
+
+
 def _wait_wrapper(inner):
     def wrapper(works, *args, **kwargs):
         t_in = _clock()
-        if works and received.PENDING:  # the rank is about to wait for a peer: the fingerprints due first
-            _settle()
         rec = RECORDER
+        if works and _due(rec) and _blocks(works):
+            _idle(rec)  # the rank is about to idle: the kit's deferred work done first
         if rec is None or not rec.enabled:
             return inner(works, *args, **kwargs)
         if not works:
@@ -355,18 +383,24 @@ def _step_wrapper(inner, grads: bool = True):
         if rec is None:
             return inner(self, *args, **kwargs)
         rec.begin_step(type(self).__name__, self)  # its first step in this process is marked (a warm-up)
+        outer = rec.depth == 1
+        if outer:  # torch's records written where the rank would idle (labkit.spans.held), on CPU
+            held.watch_loggers()
+            held.HOLD.on = held.holds(self)
         t_call = _clock()
         try:
             out = inner(self, *args, **kwargs)
         except BaseException:
             t_back = _clock()
-            if received.PENDING:
-                _settle()
+            if outer:
+                held.HOLD.on = False
+            _idle()
             rec.end_step((t_in, t_call, t_back))
             raise
         t_back = _clock()  # the numbers are read after it: the kit's bookkeeping, measured as such
-        if received.PENDING:  # the fingerprints still due (a forward-only step waits for no gradient)
-            _settle()
+        if outer:
+            held.HOLD.on = False
+        _idle()  # the records and fingerprints still due (a forward-only step waits for no gradient)
         numbers = step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
         rec.end_step((t_in, t_call, t_back), numbers)
         return out

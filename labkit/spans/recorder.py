@@ -96,19 +96,21 @@ def _line(rank: int, step: int, host: bool, kind: str, stage: int, mb, s: float,
     """One span's JSON line, as `json.dumps` of {"rank", "step", "kind", "stage", "mb", "start", "end", and
     where they apply "what", "pre", "post", "kit", "cpu", "rq"} writes it, written out by hand (a float's
     repr is JSON's; kind and what are the kit's own words): a few microseconds a span fewer, in every step."""
-    r = repr
-    out = (f'{{"rank": {rank}, "step": {step}, "kind": "{kind}", "stage": {stage}, "mb": {json.dumps(mb)}, '
-           f'"start": {r(round(s, 7))}, "end": {r(round(e, 7))}')
+    r, rd = float.__repr__, round
+    out = (f'{{"rank": {rank}, "step": {step}, "kind": "{kind}", "stage": {stage}, '
+           f'"mb": {mb if mb.__class__ is int else json.dumps(mb)}, "start": {r(rd(s, 7))}, "end": {r(rd(e, 7))}')
     if what:
-        out += f', "what": {json.dumps(what)}'
-    if host and (pre or post):
-        out += f', "pre": {r(round(pre, 9))}, "post": {r(round(post, 9))}'
-    if host and pieces:
-        out += ', "kit": [' + ", ".join(f"[{r(round(a, 7))}, {r(round(b, 7))}]" for a, b in pieces) + "]"
-    if host and cpu:  # ((ran, queued) at the start, at the end): _cpu
-        out += f', "cpu": [{r(round(cpu[0][0], 7))}, {r(round(cpu[1][0], 7))}]'
-        if cpu[0][1] is not None:
-            out += f', "rq": [{r(round(cpu[0][1], 7))}, {r(round(cpu[1][1], 7))}]'
+        out += f', "what": "{what}"'
+    if host:
+        if pre or post:
+            out += f', "pre": {r(rd(pre, 9))}, "post": {r(rd(post, 9))}'
+        if pieces:
+            out += ', "kit": [' + ", ".join([f"[{r(rd(a, 7))}, {r(rd(b, 7))}]" for a, b in pieces]) + "]"
+        if cpu:  # ((ran, queued) at the start, at the end): _cpu
+            (c0, q0), (c1, q1) = cpu
+            out += f', "cpu": [{r(rd(c0, 7))}, {r(rd(c1, 7))}]'
+            if q0 is not None:
+                out += f', "rq": [{r(rd(q0, 7))}, {r(rd(q1, 7))}]'
     return out + "}\n"
 
 
@@ -132,6 +134,7 @@ class Recorder:
         self.path = Path(path) if path else None
         self.enabled = os.environ.get(OFF_VAR, "1") != "0"
         self.buf: list[list] = []      # [kind, stage, mb, start, end, what]; start/end: float or CUDA event
+        self.lines: list[str] = []     # the lines of buf's first rows, written out ahead (`ahead`)
         self.step = 0
         self.depth = 0                 # nested step()/eval() calls count once
         self.p2p_depth = 0
@@ -184,6 +187,17 @@ class Recorder:
             row[8], self.loose = self.loose, []
         self.buf.append(row)
         return row
+
+    def ahead(self) -> None:
+        """Where the rank would idle (a wait that blocks): the lines of this step's finished spans written out
+        now, not at the step's end (host-clock spans only; the last span is left, as pieces of the kit's time
+        may still join it). The step's end writes them with the rest, unchanged."""
+        done, last = len(self.lines), len(self.buf) - 1
+        if done >= last:
+            return
+        rows = self.buf[done:last]
+        if all(r[3].__class__ is float for r in rows):
+            self.lines += [_line(self.rank, self.step, True, *r) for r in rows]
 
     def saw_stage(self, stage) -> None:
         """A stage ran an action in this step: at the step's end, whether it is compiled and what its
@@ -238,8 +252,9 @@ class Recorder:
         if loose:  # after the step's last span: on its line
             self.buf[-1][8] = [*self.buf[-1][8], *loose]
         host = all(isinstance(x[3], float) for x in self.buf)  # the kit's pieces sit on host-clock spans only
-        rows = self._resolve(self.buf)
-        self.buf, step = [], self.step
+        ahead = self.lines if host else []  # written out where the rank idled (`ahead`)
+        rows = self._resolve(self.buf[len(ahead):])
+        self.buf, self.lines, step = [], [], self.step
         self.step += 1
         self.tags.clear()
         self.cuda = None
@@ -262,7 +277,7 @@ class Recorder:
         if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
             begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
         f.write(json.dumps(begin) + "\n")
-        f.write("".join([_line(self.rank, step, host, *row) for row in rows]))
+        f.write("".join(ahead + [_line(self.rank, step, host, *row) for row in rows]))
         if times is not None:
             f.flush()  # writing is the kit's too: measured up to the last line
             t_in, t_call, t_back = times

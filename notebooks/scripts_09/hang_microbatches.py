@@ -3,13 +3,16 @@
     labkit launch --nproc 2 --timeout 300 --stall 10 notebooks/scripts_09/hang_microbatches.py
 
 Each rank builds its Schedule1F1B with its own n_microbatches (rank 0: 4, rank 1: 8; the same
-microbatch size, so rank 1's batch is twice as large). Rank 0 runs its 4 microbatches, ends its step
-and exits; rank 1 waits for microbatch 4's activation from rank 0, and dies of the closed connection
-("Connection closed by peer"). That error only echoes rank 0's end: `run.where_stuck()` says who left
+microbatch size, so rank 1's batch is twice as large). Rank 0 runs its 4 microbatches, ends its step,
+spends 2 s on its own work (as a real job would: logging, a checkpoint) and exits; rank 1 waits for
+microbatch 4's activation from rank 0 meanwhile, and dies of the closed connection ("Connection closed
+by peer"; the same on every torch release: rank 1 is already waiting when rank 0 leaves). That error only echoes rank 0's end: `run.where_stuck()` says who left
 first and why the schedules never met.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,8 @@ def main() -> None:
     print(f"[hang_microbatches] rank {d.rank} ready: {m} microbatches", flush=True)
     batch = torch.randn(2 * m, 4)
     schedule.step(batch) if d.rank == 0 else schedule.step(target=batch)
+    if d.rank == 0:  # its work after the step (a real job logs, saves...): rank 1 is waiting for it by then
+        time.sleep(2)
     dist.destroy_process_group()  # rank 0 is done and leaves (no barrier: it does not wait for rank 1)
 
 

@@ -1,0 +1,134 @@
+"""labkit.spans.held: torch's pipelining records, made where torch makes them, written later (before a wait
+that blocks, at a step's end, by the watcher once overdue): the same text, the same order, none lost;
+outside a step (and on CUDA) written at once."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from labkit.spans import held, record
+
+
+@pytest.fixture
+def probe():
+    lg = logging.getLogger(held.PP_LOGGER + ".labkit_probe")
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    out = io.StringIO()
+    h = logging.StreamHandler(out)
+    h.setFormatter(logging.Formatter("%(created).6f %(name)s %(filename)s:%(lineno)d] %(message)s"))
+    lg.addHandler(h)
+    held.watch_loggers()
+    yield lg, out
+    held.HOLD.on = False
+    held.release()
+    lg.removeHandler(h)
+
+
+def test_a_held_record_is_written_later_with_its_own_time_and_text(probe):
+    lg, out = probe
+    lg.debug("before the step")  # outside a step: at once
+    assert out.getvalue().endswith("before the step\n")
+    held.HOLD.on = True
+    lg.debug("[Stage 0] Forwarded chunk %s", 0)
+    lg.debug("[Stage 0] Sending tensor to Stage %s", 1)
+    assert out.getvalue().count("\n") == 1  # held
+    made = [r.created for _, r in held.HOLD.records]
+    held.release()
+    lines = out.getvalue().splitlines()
+    assert [l.split("] ", 1)[1] for l in lines] == ["before the step", "[Stage 0] Forwarded chunk 0",
+                                                     "[Stage 0] Sending tensor to Stage 1"]
+    assert [float(l.split()[0]) for l in lines[1:]] == [float(f"{t:.6f}") for t in made]  # torch's moment
+    assert all("test_held.py:" in l for l in lines)  # where torch made it, not where it was written
+
+
+def test_never_more_than_the_cap_is_held(probe):
+    lg, out = probe
+    held.HOLD.on = True
+    for i in range(held.CAP * 2 + 3):
+        lg.debug("record %s", i)
+        assert len(held.HOLD.records) < held.CAP
+    held.release()
+    assert [l.split("] ")[1] for l in out.getvalue().splitlines()] == [f"record {i}" for i in range(held.CAP * 2 + 3)]
+
+
+class _Work:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_the_records_are_written_where_the_rank_would_wait_and_not_on_the_way_to_a_send(probe):
+    """A hand-off: torch's records stay held through the post of a send, a wait that does not block and the
+    next compute; a wait that would block (a work not completed) writes every record made before it."""
+    lg, out = probe
+    seen = []
+    post = record._post_wrapper(lambda ops: seen.append(("post", out.getvalue().count("\n"))) or [])
+    wait = record._wait_wrapper(lambda works: seen.append(("wait", out.getvalue().count("\n"))))
+
+    class Stage:
+        stage_index = 0
+
+    compute = record._compute_wrapper(lambda self, mb: seen.append(("compute", out.getvalue().count("\n"))),
+                                      lambda a, k: "F")
+    compute.__name__ = "forward_one_chunk"
+    held.HOLD.on = True
+    lg.debug("Forwarded chunk 0")
+    post([])
+    wait([_Work(True)])  # the transfer already complete: the rank does not idle here
+    record._compute_wrapper(lambda self, mb: seen.append(("compute", out.getvalue().count("\n"))),
+                            lambda a, k: "B")(Stage(), 1)
+    assert seen == [("post", 0), ("wait", 0), ("compute", 0)] and len(held.HOLD.records) == 1
+    lg.debug("batch_p2p bwd_recv")
+    wait([_Work(True), _Work(False)])  # one not complete: the rank would idle, the records go first
+    assert seen[-1] == ("wait", 2) and not held.HOLD.records
+    assert [l.split("] ", 1)[1] for l in out.getvalue().splitlines()] == ["Forwarded chunk 0", "batch_p2p bwd_recv"]
+
+
+def test_the_watcher_writes_records_held_too_long(probe, monkeypatch):
+    """A rank that stops inside a compute (no wait, no step end) still has its records written, by the
+    watcher thread, once the oldest was held LATE seconds; the thread takes no signal."""
+    import signal
+    import threading
+    import time
+
+    lg, out = probe
+    monkeypatch.setattr(held, "LATE", 0.2)
+    held.HOLD.on = True
+    lg.debug("Forwarded chunk 3")
+    assert not held.overdue() and out.getvalue() == ""
+    deadline = time.time() + 10
+    while "Forwarded chunk 3" not in out.getvalue() and time.time() < deadline:
+        time.sleep(0.05)
+    assert out.getvalue().endswith("Forwarded chunk 3\n") and not held.HOLD.records
+    watcher = next(t for t in threading.enumerate() if t.name == "labkit-held-pp-records")
+    assert watcher.daemon and watcher is not threading.main_thread()
+    assert signal.SIGABRT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the main thread still takes it
+
+
+def test_a_step_writes_what_it_held_when_it_ends_or_raises(probe, monkeypatch):
+    from labkit.spans.recorder import Recorder
+
+    lg, out = probe
+    monkeypatch.setattr(record, "RECORDER", Recorder(None, 0))  # kept in memory; torch's classes left alone
+
+    class Sched:
+        pass
+
+    def inner(self, fail=False):
+        held.HOLD.on = True  # as the step wrapper sets it on CPU
+        lg.debug("inside the step")
+        if fail:
+            raise RuntimeError("a failed step")
+
+    step = record._step_wrapper(inner)
+    step(Sched())
+    assert out.getvalue().endswith("inside the step\n") and not held.HOLD.on
+    with pytest.raises(RuntimeError):
+        step(Sched(), fail=True)
+    assert out.getvalue().count("inside the step") == 2 and not held.HOLD.on and not held.HOLD.records
