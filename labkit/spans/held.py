@@ -21,7 +21,9 @@ A filter on each of torch's pipelining loggers (`torch.distributed.pipelining` a
 taken again when new ones appear) holds a record while `HOLD.on`; `release` passes the held records to
 their loggers' handlers (`Logger.callHandlers`, which the filter does not see again). Nothing of the user's
 logging is changed: other loggers, handlers and formats are left alone, and a pipelining record reaches
-every handler it reached before. The watcher is a daemon thread that takes no signal (a stack dump's
+every handler it reached before. Records of other loggers (a user's `TORCH_LOGS=recompiles`) are written at
+once, so a held pipelining record may follow one made after it in a shared stream; each line carries
+torch's own time (the kit's format, `%(created)`). The watcher is a daemon thread that takes no signal (a stack dump's
 SIGABRT still lands on the rank's main thread), one per process, started when a first record is held.
 `labkit.spans.record` turns `HOLD.on` on and calls `release`.
 

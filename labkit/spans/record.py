@@ -47,6 +47,11 @@ passed (`losses=`) as exact floats, and each of the schedule's stages' gradient 
 local shard under FSDP / DTensor), read after torch's step returned, under no_grad, outside any compiled
 region: `labkit timeline --compare A B --numbers` says the first step two runs differ in, bit for bit.
 
+Where the rank would idle (a wait that blocks: a transfer not yet complete) the kit does its deferred work:
+torch's pipelining records held on CPU are written (`labkit.spans.held`), the activations' fingerprints taken
+(`labkit.spans.received`) and the step's finished spans written out (`Recorder.ahead`); whatever is left, at
+the step's end.
+
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
 directly. Read back by `labkit.spans.read`. Taught in notebook 06b.
