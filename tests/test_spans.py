@@ -236,10 +236,13 @@ def test_a_plain_script_gets_spans_and_its_overhead_is_found(runs, tmp_path):
     print(rep.text())
     # rank 1 sleeps 20 ms in the loss after each of its 4 forwards: outside every action, not a wait
     assert rep.idle[1]["runtime overhead"] >= 4 * 0.02 * 0.9, rep.idle[1]
-    assert rep.idle[0]["runtime overhead"] < 0.02, rep.idle[0]           # rank 0 has no such pause ...
-    assert rep.idle[0]["waiting for a neighbour"] >= 3 * 0.02 * 0.9       # ... it waits for rank 1's gradients
-    # ... and the sleep is the runtime's, not the kit's: the kit's wrappers, measured apart, are far less
-    assert 0 < rep.idle[1]["instrument overhead"] < rep.idle[1]["runtime overhead"] / 10, rep.idle[1]
+    assert rep.idle[0]["waiting for a neighbour"] >= 3 * 0.02 * 0.9       # rank 0 waits for rank 1's gradients
+    assert rep.idle[1]["instrument overhead"] > 0, rep.idle[1]  # the kit's wrappers, measured apart
+    quiet = quiet_baseline([tl])
+    if quiet.ok:  # upper bounds on a timing: only where the machine left the ranks their cores (labkit.spans.quiet)
+        assert rep.idle[0]["runtime overhead"] < 0.02, (rep.idle[0], quiet.text())  # rank 0 has no such pause
+        # the sleep is the runtime's, not the kit's: the kit's own time is far less
+        assert rep.idle[1]["instrument overhead"] < rep.idle[1]["runtime overhead"] / 10, (rep.idle[1], quiet.text())
     for rank, causes in rep.idle.items():
         assert sum(causes.values()) == pytest.approx(rep.makespan - tl_busy(out, rank), abs=1e-6)
     own = tl.meta["instrument_overhead"]
