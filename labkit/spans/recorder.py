@@ -96,7 +96,7 @@ def _line(rank: int, step: int, host: bool, kind: str, stage: int, mb, s: float,
     """One span's JSON line, as `json.dumps` of {"rank", "step", "kind", "stage", "mb", "start", "end", and
     where they apply "what", "pre", "post", "kit", "cpu", "rq"} writes it, written out by hand (a float's
     repr is JSON's; kind and what are the kit's own words): a few microseconds a span fewer, in every step."""
-    r, rd = float.__repr__, round
+    r, rd = repr, round  # repr: an int where a float is expected is still written
     out = (f'{{"rank": {rank}, "step": {step}, "kind": "{kind}", "stage": {stage}, '
            f'"mb": {mb if mb.__class__ is int else json.dumps(mb)}, "start": {r(rd(s, 7))}, "end": {r(rd(e, 7))}')
     if what:
