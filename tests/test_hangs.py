@@ -662,6 +662,38 @@ def test_launched_4_ranks_where_the_last_is_alone_in_an_all_reduce(tmp_path, run
 
 
 @pytest.mark.launches
+def test_each_ranks_stack_is_where_it_was_stuck_however_slowly_the_ranks_are_stopped(tmp_path, runs, monkeypatch):
+    """The stacks are taken with every rank frozen, each SIGABRT aimed at its rank's main thread: however long
+    the stopper takes between two ranks (here 0.4 s, as a stopper descheduled on a busy machine), no rank's
+    dump shows what an earlier rank's death did to it. Sent one by one to running ranks, rank 0 died first and
+    rank 3's all_reduce failed and unwound out of the script before its own dump (`rank_main (warm.py)`)."""
+    import signal
+    import time
+
+    from labkit.launching import stop
+    from labkit.launching.diagnose import rank_ends
+
+    each = stop._each
+
+    def slowly(workers, sig):
+        for w in workers:
+            each([w], sig)
+            if sig == signal.SIGCONT:
+                time.sleep(0.4)
+
+    monkeypatch.setattr(stop, "_each", slowly)
+    (tmp_path / "hang_allreduce.py").write_text(ALLREDUCE_ALONE)
+    msg, run = _launch_failing(tmp_path / "hang_allreduce.py", runs, nproc=4, stall=8)
+    ends = rank_ends(run)
+    for r in range(4):  # each dumped while it ran, the script's own line innermost of its code
+        assert ends[r].how == "stalled" and ends[r].user and ends[r].user[0].endswith("hang_allreduce.py"), ends[r]
+    stuck = run.where_stuck()
+    assert stuck.ranks[3].sentence().startswith(
+        "rank 3 is outside the schedule: it left schedule.step after step 5 and is in <module> (hang_allreduce.py:")
+    assert "warm.py" not in msg
+
+
+@pytest.mark.launches
 def test_launched_ranks_whose_microbatch_counts_differ(tmp_path, runs):
     (tmp_path / "hang_mbs.py").write_text(MICROBATCHES_DIFFER)
     msg, run = _launch_failing(tmp_path / "hang_mbs.py", runs)

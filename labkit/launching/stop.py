@@ -69,18 +69,15 @@ def _proc_children(pid: int) -> list[int]:
 def stop_job(proc: subprocess.Popen, known: dict, grace: float = 5.0, dump_stacks: bool = False) -> None:
     """End torchrun and every worker it started (workers live in their own sessions).
 
-    dump_stacks: first SIGABRT every rank (PYTHONFAULTHANDLER=1 writes all threads' stacks to its
-    stderr.log) while the agent is frozen, so no rank is killed halfway through its dump."""
+    dump_stacks: first each rank's stacks written (PYTHONFAULTHANDLER=1 writes all threads' stacks to its
+    stderr.log on SIGABRT), all ranks frozen first (`dump_all`), so no rank's dump shows what a peer's death
+    did to it and no rank is killed halfway through its dump (the agent is frozen too)."""
     import psutil
 
     workers = list({w.pid: w for w in list(known.values()) + descendants(proc.pid)}.values())
     if dump_stacks and proc.poll() is None:
         proc.send_signal(signal.SIGSTOP)
-        for w in workers:
-            try:
-                w.send_signal(signal.SIGABRT)
-            except psutil.Error:
-                pass
+        dump_all(workers)
         psutil.wait_procs(workers, timeout=5)  # SIGABRT is fatal once the stacks are written
         proc.send_signal(signal.SIGCONT)
     if proc.poll() is None:
@@ -94,3 +91,64 @@ def stop_job(proc: subprocess.Popen, known: dict, grace: float = 5.0, dump_stack
         proc.kill()
         proc.wait()
     kill_all(workers, grace)
+
+
+def dump_all(workers: list, settle: float = 1.0) -> None:
+    """Every worker's stacks as they are now (SIGABRT: faulthandler dumps them, then the worker dies).
+
+    Sent one after another, the first worker to die would close its connections and a later one, still
+    blocked in a collective with it, could fail and unwind out of the user's code before its own SIGABRT
+    landed (its dump then shows the kit's runner, not where it was stuck). So every worker is frozen first
+    (SIGSTOP, up to `settle` s for all to read stopped), then each is sent SIGABRT aimed at its main thread
+    (`_to_main_thread`: a process-wide signal pending in a frozen process goes to whichever of its threads
+    wakes first, and faulthandler marks that one "Current thread"), then all are continued: each main
+    thread takes its SIGABRT before it runs anything else."""
+    import time
+
+    import psutil
+
+    _each(workers, signal.SIGSTOP)
+    deadline = time.monotonic() + settle
+    for w in workers:
+        while time.monotonic() < deadline:
+            try:
+                if w.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    break
+            except psutil.Error:
+                break
+            time.sleep(0.005)
+    for w in workers:
+        _to_main_thread(w, signal.SIGABRT)
+    _each(workers, signal.SIGCONT)
+
+
+def _each(workers: list, sig: int) -> None:
+    import psutil
+
+    for w in workers:
+        try:
+            w.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def _to_main_thread(worker, sig: int) -> None:
+    """`sig` sent to `worker`'s main thread (Linux's tgkill: the main thread's id is the process id), else to
+    the process."""
+    import ctypes
+    import psutil
+
+    try:
+        if not worker.is_running():  # ended (its pid could be another process's by now)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.tgkill(worker.pid, worker.pid, sig) == 0:
+            return
+    except psutil.Error:
+        return
+    except (OSError, AttributeError):  # no tgkill (not Linux, or a libc without it)
+        pass
+    try:
+        worker.send_signal(sig)
+    except psutil.Error:
+        pass
