@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark pieces in scripts/bench.py (structure and sanity, never timed asserts)."""
 
 import importlib.util
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -300,10 +301,10 @@ def test_the_observer_rows_say_each_way_and_condition():
           "loaded": {**row, "load": [2.1, 2.4]}}
     text = "\n".join(bench._observer_rows(ob))
     assert f"## {bench.OBSERVER_HEADING}" in text
-    assert "| launch compiled | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | - | 0.640x (0.630-0.660) |" in text
-    row["launch eager"]["cpu"] = s
-    assert "| launch eager | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | 1.010x (0.970-1.040) | 0.640x" in "\n".join(
-        bench._observer_rows(ob))
+    assert "| launch compiled | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | - | - | 0.640x (0.630-0.660) |" in text
+    ob["quiet"]["launch eager"] = {**row["launch eager"], "cpu": s, "step": {**s, "ci95": [0.99, 1.035]}}
+    assert ("| launch eager | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | 0.990-1.035 | 1.010x (0.970-1.040) | "
+            "0.640x") in "\n".join(bench._observer_rows(ob))
     assert "| live ranks eager | a busy loop a core (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
 
 
@@ -317,10 +318,26 @@ def test_the_observer_section_says_the_instruments_cost_inside_one_job():
           "within": {"pairs": 150, "load": 1.2, "launch eager": fig, "live ranks eager": {**fig, "step": 1.04}}}
     text = "\n".join(bench._observer_rows(ob))
     assert "150 pairs of steps" in text and "load 1.2 at the end" in text
-    assert "| launch eager | 1.021x | 1.045x | 122 ms |" in text and "| live ranks eager | 1.040x |" in text
+    assert "| launch eager | 1.021x | - | 1.045x | 122 ms |" in text and "| live ranks eager | 1.040x |" in text
+    ob["within"]["launch eager"] = {**fig, "step_ci95": [1.0101, 1.0302]}
+    assert "| launch eager | 1.021x | 1.010-1.030 | 1.045x | 122 ms |" in "\n".join(bench._observer_rows(ob))
     assert "| launch compiled |" not in text.split("inside one job")[1]  # a way not measured: no row
     del ob["within"]
     assert "inside one job" not in "\n".join(bench._observer_rows(ob))
+
+
+def test_the_median_interval_holds_the_median_and_narrows_with_more_pairs():
+    """benches.observer.median_interval: a bootstrap interval of a median, the same for the same values, that holds
+    the median, is no wider than the values' range, and narrows as pairs are added from the same spread."""
+    from benches.observer import median_interval
+
+    few = [1.01, 0.95, 1.08, 1.03]
+    lo, hi = median_interval(few)
+    assert min(few) <= lo <= statistics.median(few) <= hi <= max(few) and median_interval(few) == (lo, hi)
+    many = few * 8
+    lo8, hi8 = median_interval(many)
+    assert lo8 <= statistics.median(many) <= hi8 and hi8 - lo8 < hi - lo
+    assert median_interval([1.02] * 6) == (1.02, 1.02)
 
 
 def test_the_watch_rows_say_the_cost_and_the_step_named():

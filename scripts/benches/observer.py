@@ -9,7 +9,9 @@ barriers) run by plain torchrun and by the kit, in interleaved pairs, each pair'
 
 each quiet and beside one busy process per core. Per pair: the kit's median warm step over plain
 torchrun's, and the kit's peak resident memory per rank (ru_maxrss, the larger rank) over plain
-torchrun's. The figure of a row is the median over its pairs. Also RESULTS.md's section for it."""
+torchrun's. The figure of a row is the median over its pairs, with a bootstrap 95% interval of that median
+(`median_interval`): whole jobs of one script scatter by several per cent, so a bound is met only where the
+interval's top is under it. Also RESULTS.md's section for it."""
 
 from __future__ import annotations
 
@@ -116,7 +118,9 @@ def _within_figures(got: dict) -> dict:
     pairs' differences (instruments on minus off), over the median step with them off."""
     r0 = got[0]
     cpu = [sum(g["cpu"][i] for g in got.values()) for i in range(len(r0["cpu"]))]
+    lo, hi = median_interval(r0["wall"])
     return {"step": 1 + statistics.median(r0["wall"]) / r0["off_wall"],
+            "step_ci95": [1 + lo / r0["off_wall"], 1 + hi / r0["off_wall"]],
             "cpu": 1 + statistics.median(cpu) / sum(g["off_cpu"] for g in got.values()),
             "pairs": len(r0["wall"]), "off_step_s": r0["off_wall"]}
 
@@ -202,14 +206,29 @@ def _pairs(kit, plain, n: int) -> dict:
 
 
 def _summary(ratios: list[float]) -> dict:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
+    lo, hi = median_interval(ratios)
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios,
+            "ci95": [lo, hi]}
+
+
+def median_interval(values: list[float], level: float = 0.95, draws: int = 4000) -> tuple[float, float]:
+    """A bootstrap interval for the median of `values` (percentile method, `draws` resamples, a fixed seed: the
+    same values give the same interval): where the median of such pairs would fall, at `level`. With a few
+    pairs it is wide, and it says so: a bound is met only where the interval's top is under it."""
+    import random
+
+    rng = random.Random(0)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return meds[cut], meds[draws - 1 - cut]
 
 
 def _busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def observer(pairs: int = 4, compiled_pairs: int = 4, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
+def observer(pairs: int = 8, compiled_pairs: int = 8, steps: int = 20, conditions=("quiet", "loaded")) -> dict:
     """The kit's step and peak memory over plain torchrun's: launched eager and compiled, live ranks eager."""
     import labkit
 
@@ -264,11 +283,14 @@ def _observer_rows(ob: dict | None) -> list[str]:
         for way in ("launch eager", "launch compiled", "live ranks eager"):
             s, p, u = c[way]["step"], c[way]["peak"], c[way].get("cpu")
             cpu = f"{u['median']:.3f}x ({u['min']:.3f}-{u['max']:.3f})" if u else "-"
+            ci = f"{s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}" if "ci95" in s else "-"
             rows.append(f"| {way} | {label} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
-                        f"({s['min']:.3f}-{s['max']:.3f}) | {cpu} | {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}) |")
+                        f"({s['min']:.3f}-{s['max']:.3f}) | {ci} | {cpu} | {p['median']:.3f}x "
+                        f"({p['min']:.3f}-{p['max']:.3f}) |")
     return ["", f"## {OBSERVER_HEADING}", "", how, "",
-            "| the kit | machine | step, median (range) | CPU a step, median (range) | peak memory, median (range) |",
-            "| --- | --- | --- | --- | --- |",
+            "| the kit | machine | step, median (range) | step, 95% interval of the median | CPU a step, median (range) "
+            "| peak memory, median (range) |",
+            "| --- | --- | --- | --- | --- | --- |",
             *rows, *_within_rows(ob.get("within"))]
 
 
@@ -277,11 +299,16 @@ def _within_rows(w: dict | None) -> list[str]:
     if not w:
         return []
     when = f", measured {w['date']}" if w.get("date") else ""
-    rows = [f"| {way} | {w[way]['step']:.3f}x | {w[way]['cpu']:.3f}x | {w[way]['off_step_s'] * 1e3:.0f} ms |"
-            for way in ("launch eager", "launch compiled", "live ranks eager") if way in w]
+    def ci(row: dict) -> str:
+        return f"{row['step_ci95'][0]:.3f}-{row['step_ci95'][1]:.3f}" if "step_ci95" in row else "-"
+
+    rows = [f"| {way} | {w[way]['step']:.3f}x | {ci(w[way])} | {w[way]['cpu']:.3f}x | "
+            f"{w[way]['off_step_s'] * 1e3:.0f} ms |" for way in ("launch eager", "launch compiled", "live ranks eager")
+            if way in w]
     return ["", f"The instruments' own cost inside one job (the same model and schedule; {w['pairs']} pairs of steps, "
             "every instrument on against every one off: the pipelining logs, the spans recorder, the input "
             f"fingerprints; each pair's order alternating; load {w['load']} at the end{when}): the median of the "
             "pairs' differences over the step with them off. Whole jobs scatter by more than this; pairs of steps "
             "inside one job share the machine's state.", "",
-            "| the kit | step | CPU a step | step, instruments off |", "| --- | --- | --- | --- |", *rows]
+            "| the kit | step | step, 95% interval of the median | CPU a step | step, instruments off |",
+            "| --- | --- | --- | --- | --- |", *rows]
