@@ -661,6 +661,46 @@ def test_launched_4_ranks_where_the_last_is_alone_in_an_all_reduce(tmp_path, run
     assert "wait cycle" not in msg and stuck.causes == _read_back_causes(run)
 
 
+def test_the_stack_dump_freezes_every_worker_first_and_aims_each_abort_at_its_main_thread(monkeypatch):
+    """labkit.launching.stop.dump_all's order: SIGSTOP to every worker, SIGABRT to each one's main thread (tgkill,
+    the main thread's id is the pid), SIGCONT to every worker; where no signal can be aimed at a thread, SIGABRT
+    to each as before. And the tgkill it finds, from the C library or as a raw system call, reaches this process."""
+    import os
+    import platform
+    import signal
+
+    from labkit.launching import stop
+
+    class Worker:
+        def __init__(self, pid):
+            self.pid = pid
+
+        def status(self):
+            return "stopped"
+
+        def is_running(self):
+            return True
+
+    sent = []
+    monkeypatch.setattr(stop, "_each", lambda ws, sig: sent.append((sig, [w.pid for w in ws])))
+    monkeypatch.setattr(stop, "_tgkill", lambda: lambda tgid, tid, sig: sent.append(("tgkill", tgid, tid, sig)))
+    stop.dump_all([Worker(11), Worker(12)])
+    assert sent == [(signal.SIGSTOP, [11, 12]), ("tgkill", 11, 11, signal.SIGABRT), ("tgkill", 12, 12, signal.SIGABRT),
+                    (signal.SIGCONT, [11, 12])]
+    sent.clear()
+    monkeypatch.setattr(stop, "_tgkill", lambda: None)
+    stop.dump_all([Worker(11), Worker(12)])
+    assert sent == [(signal.SIGABRT, [11, 12])]
+    monkeypatch.undo()
+    if platform.system() == "Linux":
+        assert stop._tgkill()(os.getpid(), os.getpid(), 0) == 0  # signal 0: the thread exists, nothing sent
+        if platform.machine() in stop._TGKILL_SYSCALL:
+            import ctypes
+
+            raw = ctypes.CDLL(None).syscall(stop._TGKILL_SYSCALL[platform.machine()], os.getpid(), os.getpid(), 0)
+            assert raw == 0
+
+
 @pytest.mark.launches
 def test_each_ranks_stack_is_where_it_was_stuck_however_slowly_the_ranks_are_stopped(tmp_path, runs, monkeypatch):
     """The stacks are taken with every rank frozen, each SIGABRT aimed at its rank's main thread: however long

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 from .clean import kill_all
 from ..core.processes import set_parent_death_signal
@@ -100,13 +101,18 @@ def dump_all(workers: list, settle: float = 1.0) -> None:
     blocked in a collective with it, could fail and unwind out of the user's code before its own SIGABRT
     landed (its dump then shows the kit's runner, not where it was stuck). So every worker is frozen first
     (SIGSTOP, up to `settle` s for all to read stopped), then each is sent SIGABRT aimed at its main thread
-    (`_to_main_thread`: a process-wide signal pending in a frozen process goes to whichever of its threads
-    wakes first, and faulthandler marks that one "Current thread"), then all are continued: each main
-    thread takes its SIGABRT before it runs anything else."""
+    (`_tgkill`: a process-wide signal pending in a frozen process goes to whichever of its threads wakes
+    first, and faulthandler marks that one "Current thread"), then all are continued: each main thread takes
+    its SIGABRT before it runs anything else. Where a signal cannot be aimed at a thread (no tgkill: not
+    Linux), each worker is sent SIGABRT as it runs, one after another, as before."""
     import time
 
     import psutil
 
+    tgkill = _tgkill()
+    if tgkill is None:
+        _each(workers, signal.SIGABRT)
+        return
     _each(workers, signal.SIGSTOP)
     deadline = time.monotonic() + settle
     for w in workers:
@@ -118,7 +124,11 @@ def dump_all(workers: list, settle: float = 1.0) -> None:
                 break
             time.sleep(0.005)
     for w in workers:
-        _to_main_thread(w, signal.SIGABRT)
+        try:
+            if w.is_running():  # not ended (its pid could be another process's by now)
+                tgkill(w.pid, w.pid, signal.SIGABRT)  # the main thread's id is the process id
+        except psutil.Error:
+            pass
     _each(workers, signal.SIGCONT)
 
 
@@ -132,23 +142,24 @@ def _each(workers: list, sig: int) -> None:
             pass
 
 
-def _to_main_thread(worker, sig: int) -> None:
-    """`sig` sent to `worker`'s main thread (Linux's tgkill: the main thread's id is the process id), else to
-    the process."""
-    import ctypes
-    import psutil
+_TGKILL_SYSCALL = {"x86_64": 234, "aarch64": 131}  # where glibc is older than 2.30 (no tgkill function)
 
+
+def _tgkill():
+    """Linux's tgkill(tgid, tid, sig) (a signal to one thread of a process, here its main thread), from the C
+    library (glibc 2.30+) or as a raw system call (x86_64, aarch64); None where there is neither."""
+    import ctypes
+    import platform
+
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        if not worker.is_running():  # ended (its pid could be another process's by now)
-            return
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.tgkill(worker.pid, worker.pid, sig) == 0:
-            return
-    except psutil.Error:
-        return
-    except (OSError, AttributeError):  # no tgkill (not Linux, or a libc without it)
-        pass
-    try:
-        worker.send_signal(sig)
-    except psutil.Error:
-        pass
+    except OSError:
+        return None
+    if hasattr(libc, "tgkill"):
+        return libc.tgkill
+    number = _TGKILL_SYSCALL.get(platform.machine())
+    if number is None or not hasattr(libc, "syscall"):
+        return None
+    return lambda tgid, tid, sig: libc.syscall(number, tgid, tid, sig)
