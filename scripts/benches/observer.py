@@ -283,7 +283,7 @@ def _observer_rows(ob: dict | None) -> list[str]:
         for way in ("launch eager", "launch compiled", "live ranks eager"):
             s, p, u = c[way]["step"], c[way]["peak"], c[way].get("cpu")
             cpu = f"{u['median']:.3f}x ({u['min']:.3f}-{u['max']:.3f})" if u else "-"
-            ci = f"{s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}" if "ci95" in s else "-"
+            ci = _interval_text(s.get("ci95"))
             rows.append(f"| {way} | {label} (load {c['load'][0]}-{c['load'][1]}) | {s['median']:.3f}x "
                         f"({s['min']:.3f}-{s['max']:.3f}) | {ci} | {cpu} | {p['median']:.3f}x "
                         f"({p['min']:.3f}-{p['max']:.3f}) |")
@@ -294,15 +294,17 @@ def _observer_rows(ob: dict | None) -> list[str]:
             *rows, *_within_rows(ob.get("within"))]
 
 
+def _interval_text(pair) -> str:
+    """A `median_interval` as a table cell ("1.017-1.044"); "-" for a figure measured without one."""
+    return f"{pair[0]:.3f}-{pair[1]:.3f}" if pair else "-"
+
+
 def _within_rows(w: dict | None) -> list[str]:
     """The instruments' own cost inside one job (`within`), under the section's table."""
     if not w:
         return []
     when = f", measured {w['date']}" if w.get("date") else ""
-    def ci(row: dict) -> str:
-        return f"{row['step_ci95'][0]:.3f}-{row['step_ci95'][1]:.3f}" if "step_ci95" in row else "-"
-
-    rows = [f"| {way} | {w[way]['step']:.3f}x | {ci(w[way])} | {w[way]['cpu']:.3f}x | "
+    rows = [f"| {way} | {w[way]['step']:.3f}x | {_interval_text(w[way].get('step_ci95'))} | {w[way]['cpu']:.3f}x | "
             f"{w[way]['off_step_s'] * 1e3:.0f} ms |" for way in ("launch eager", "launch compiled", "live ranks eager")
             if way in w]
     return ["", f"The instruments' own cost inside one job (the same model and schedule; {w['pairs']} pairs of steps, "
