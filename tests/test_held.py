@@ -132,3 +132,98 @@ def test_a_step_writes_what_it_held_when_it_ends_or_raises(probe, monkeypatch):
     with pytest.raises(RuntimeError):
         step(Sched(), fail=True)
     assert out.getvalue().count("inside the step") == 2 and not held.HOLD.on and not held.HOLD.records
+
+
+# ---- a step's span lines: ready when it ends, written where the rank next idles ----------------------
+
+class _Work:
+    """A transfer's work: `is_completed` as given (a wait for an incomplete one would block)."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _steps_written(path) -> list[int]:
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(x)["end_step"] for x in path.read_text().splitlines() if '"end_step"' in x]
+
+
+def _one_action_step(rec):
+    class Sched:
+        pass
+
+    def inner(self):
+        rec.add("F", 0, 0, rec.now(), rec.now())
+
+    return lambda: record._step_wrapper(inner)(Sched())
+
+
+def test_a_steps_lines_are_written_where_the_rank_next_idles_not_when_it_ends(monkeypatch, tmp_path):
+    """The step wrapper leaves the step's lines due (not on the path from its last action to the next step's
+    first); a wait that would block writes them first, a wait that would not leaves them; the next step's end
+    writes them before its own, in order; a change of file (a live cell's end), `write_all` (before an exit
+    that skips atexit) and the process's exit write them too."""
+    from labkit.spans.recorder import Recorder
+
+    path = tmp_path / "rank0.jsonl"
+    rec = Recorder(path, 0)
+    monkeypatch.setattr(record, "RECORDER", rec)
+    step = _one_action_step(rec)
+    wait = record._wait_wrapper(lambda works: None)
+    step()
+    assert rec.due is not None and _steps_written(path) == []
+    wait([_Work(True)])  # complete: the rank would not idle, nothing of the kit's is done there
+    assert _steps_written(path) == []
+    wait([_Work(False)])  # it would block: the rank idles, the step's lines are written first
+    assert _steps_written(path) == [0] and rec.due is None
+    step(), step()  # the second step's end writes the first's lines before it makes its own due
+    assert _steps_written(path) == [0, 1]
+    rec.use_file(tmp_path / "next.jsonl")  # a live cell's end: its file has every step
+    assert _steps_written(path) == [0, 1, 2]
+    step()
+    record.write_all()
+    assert _steps_written(tmp_path / "next.jsonl") == [3]
+    code = ("import sys\nfrom labkit.spans import record\n"
+            "rec = record.install(sys.argv[1], 0)\n"  # as in every rank the kit starts (its atexit hook too)
+            "class S: pass\n"
+            "record._step_wrapper(lambda self: rec.add('F', 0, 0, rec.now(), rec.now()))(S())\n"
+            "assert rec.due is not None\n"
+            "if sys.argv[2] == 'exit_now':\n"
+            "    from labkit.worker.distributed import exit_now\n"
+            "    exit_now(0)\n")
+    import subprocess
+    import sys
+
+    for how in ("exit", "exit_now"):
+        out = tmp_path / how
+        p = subprocess.run([sys.executable, "-c", code, str(out), how], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert _steps_written(out / "rank0.jsonl") == [0], how
+
+
+def test_a_steps_lines_left_due_are_written_by_the_watcher_once_overdue(monkeypatch, tmp_path):
+    """A rank that stops in its own code after a step (a collective of its own, a loader, an evaluation) still
+    writes that step's lines: the watcher thread writes them once they are LATE seconds old."""
+    import time
+
+    from labkit.spans import recorder as recorder_mod
+    from labkit.spans.recorder import Recorder
+
+    monkeypatch.setattr(recorder_mod, "LATE", 0.2)
+    path = tmp_path / "rank0.jsonl"
+    rec = Recorder(path, 0)
+    monkeypatch.setattr(record, "RECORDER", rec)
+    if record._overdue not in held.TICKS:
+        monkeypatch.setattr(held, "TICKS", [*held.TICKS, record._overdue])
+    _one_action_step(rec)()
+    assert _steps_written(path) == []
+    deadline = time.time() + 10
+    while not _steps_written(path) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _steps_written(path) == [0] and rec.due is None

@@ -63,6 +63,7 @@ def test_each_wrapper_measures_its_own_time_and_a_slow_one_shows(monkeypatch, tm
             wait(["a"]), wait([]), wait(["b"])
 
     rec_mod._step_wrapper(Schedule.step)(Schedule())
+    rec_mod.write_all()  # the step's lines are written where the rank next idles (here: at once)
     rows = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
     spans, end = [x for x in rows if x.get("kind") == "WAIT"], rows[-1]
     assert len(spans) == 2 and "end_step" in end

@@ -23,8 +23,10 @@ their loggers' handlers (`Logger.callHandlers`, which the filter does not see ag
 logging is changed: other loggers, handlers and formats are left alone, and a pipelining record reaches
 every handler it reached before. Records of other loggers (a user's `TORCH_LOGS=recompiles`) are written at
 once, so a held pipelining record may follow one made after it in a shared stream; each line carries
-torch's own time (the kit's format, `%(created)`). The watcher is a daemon thread that takes no signal (a stack dump's
-SIGABRT still lands on the rank's main thread), one per process, started when a first record is held.
+torch's own time (the kit's format, `%(created)`). The watcher also writes a step's span lines left due for
+LATE seconds (`TICKS`: labkit.spans.record). It is a daemon thread that takes no signal (a stack dump's
+SIGABRT still lands on the rank's main thread), one per process, started when a first record or step line
+is held.
 `labkit.spans.record` turns `HOLD.on` on and calls `release`.
 
 May import: labkit.versions (the schedule's stages), torch (where a schedule's stages are read)."""
@@ -66,8 +68,8 @@ class _Held(logging.Filter):
         with _LOCK:
             HOLD.records.append((self.logger, record))
             n = len(HOLD.records)
-        if n == 1 and _WATCHER[0] != os.getpid():
-            _watch()
+        if n == 1:
+            watch()
         if n >= CAP:
             release()
         return False
@@ -111,8 +113,18 @@ def overdue(now: float | None = None) -> bool:
     return bool(records) and (now if now is not None else time.time()) - records[0][1].created >= LATE
 
 
+TICKS: list = []  # what the watcher also calls every LATE / 4 s (labkit.spans.record: a step's lines overdue)
+
+
+def watch() -> None:
+    """This process's watcher started, unless it runs."""
+    if _WATCHER[0] != os.getpid():
+        _watch()
+
+
 def _watch() -> None:
-    """This process's watcher: every LATE / 4 s, the held records written if the oldest is overdue."""
+    """This process's watcher: every LATE / 4 s, the held records written if the oldest is overdue, and
+    `TICKS` called."""
     _WATCHER[0] = os.getpid()
 
     def loop() -> None:
@@ -124,6 +136,11 @@ def _watch() -> None:
             time.sleep(LATE / 4)
             if overdue():
                 release()
+            for tick in TICKS:
+                try:
+                    tick()
+                except Exception:  # noqa: BLE001  (the watcher never dies over one of them)
+                    pass
 
     try:
         threading.Thread(target=loop, name="labkit-held-pp-records", daemon=True).start()

@@ -21,8 +21,13 @@ def norm64(grads: list):
 
     from ..versions import float64_norms
 
-    per = float64_norms([g.detach() for g in grads])
-    return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]) if len(per) > 1 else per[0])
+    per = float64_norms(grads)  # under no_grad (step_numbers): no graph, whether or not a gradient requires one
+    if len(per) == 1:
+        return torch.linalg.vector_norm(per[0])
+    try:
+        return torch.linalg.vector_norm(torch.stack(per))
+    except RuntimeError:  # gradients on several devices
+        return torch.linalg.vector_norm(torch.stack([v.to(per[0].device) for v in per]))
 
 
 def step_numbers(schedule, losses, grads: bool) -> dict | None:

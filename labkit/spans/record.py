@@ -49,8 +49,12 @@ region: `labkit timeline --compare A B --numbers` says the first step two runs d
 
 Where the rank would idle (a wait that blocks: a transfer not yet complete) the kit does its deferred work:
 torch's pipelining records held on CPU are written (`labkit.spans.held`), the activations' fingerprints taken
-(`labkit.spans.received`) and the step's finished spans written out (`Recorder.ahead`); whatever is left, at
-the step's end.
+(`labkit.spans.received`) and the step's finished spans written out (`Recorder.ahead`); torch's records and
+fingerprints still due, at the step's end (`labkit.spans.later`). A step's own last lines (its last spans,
+`begin_step`, `end_step`) are made ready when it ends and written where the rank next idles, not between
+its last action and the next step (the first stage's step end is on the pipeline's critical path); or at
+the next step's end, a live cell's end, exit (`write_all` before an `os._exit`), or by the watcher thread
+once `LATE` seconds old (`labkit.spans.held`: a rank that stops in its own code after a step has written it).
 
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
@@ -66,6 +70,7 @@ import time
 from pathlib import Path
 
 from . import held, received
+from .later import blocks as _blocks, due as _due, idle as _idle, not_recorded as _not_recorded
 from .numbers import step_numbers
 from .paths import SPANS_DIR_VAR
 from .recorder import PATCHED as _PATCHED
@@ -90,9 +95,18 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
         RECORDER = Recorder(Path(out_dir) / f"rank{rank}.jsonl" if out_dir else None, rank)
         _patch()
         held.watch_loggers()
-        atexit.register(RECORDER.flush)
+        atexit.register(RECORDER.flush)  # the last step's lines, where still due
+        held.TICKS.append(_overdue)  # ... or once LATE seconds old: written by the watcher (labkit.spans.held)
         atexit.register(held.release)  # runs before logging's own shutdown (registered earlier, run later)
     return RECORDER
+
+
+def write_all() -> None:
+    """Everything of the kit's still due in this process written now (torch's held records, the last step's
+    span lines): before an exit that skips `atexit` (`os._exit`)."""
+    held.release()
+    if RECORDER is not None:
+        RECORDER.flush()
 
 
 def _patch() -> None:
@@ -213,16 +227,6 @@ def _module_call_wrapper(inner):
     return _as(inner, wrapper)
 
 
-def _not_recorded(stage, e: Exception) -> None:
-    """Said once a stage (`stage` None: once for the deferred fingerprints of every stage)."""
-    holder = stage if stage is not None else _not_recorded
-    if not getattr(holder, "_labkit_received_said", False):
-        holder._labkit_received_said = True
-        which = f"stage {getattr(stage, 'stage_index', '?')}" if stage is not None else "a stage"
-        print(f"[labkit] {which}: inputs not recorded for the step check: {type(e).__name__}: {e}",
-              file=sys.stderr)
-
-
 def _pipeline_of(stage) -> list[int]:
     """The global ranks of the stage's process group, in group-rank order: the ranks of its pipeline
     (a pipeline inside a (pp, dp, tp) mesh is built on `mesh["pp"]`'s group). Read once per stage."""
@@ -313,39 +317,11 @@ def _post_wrapper(inner):
     return _as(inner, wrapper)
 
 
-def _settle() -> None:
-    """The activations' deferred fingerprints taken (labkit.spans.received.settle)."""
-    try:
-        received.settle()
-    except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
-        received.PENDING.clear()
-        _not_recorded(None, e)
-
-
-def _idle(rec: Recorder | None = None) -> None:
-    """Where the rank would idle (a wait that blocks), or at the step's end: torch's held records written, the
-    activations' deferred fingerprints taken (labkit.spans.held, labkit.spans.received) and, with `rec`, the
-    step's finished spans written out (`Recorder.ahead`)."""
-    if held.HOLD.records:
-        held.release()
-    if received.PENDING:
-        _settle()
-    if rec is not None and rec.enabled:
-        rec.ahead()
-
-
-def _due(rec: Recorder | None) -> bool:
-    """Whether any of the kit's deferred work is due (`_idle`)."""
-    return bool(held.HOLD.records or received.PENDING or (rec is not None and len(rec.buf) > len(rec.lines) + 1))
-
-
-def _blocks(works) -> bool:
-    """Whether waiting for `works` would block: one of them is not complete yet (the time the rank would idle,
-    where the kit's deferred work costs the step nothing). Where it cannot be told: True."""
-    try:
-        return not all(w.is_completed() for w in works)
-    except Exception:  # noqa: BLE001  (a work without is_completed)
-        return True
+def _overdue() -> None:
+    """From the watcher thread: the last step's lines written once `LATE` seconds old (`Recorder.write_overdue`)."""
+    rec = RECORDER
+    if rec is not None:
+        rec.write_overdue()
 
 
 def _wait_wrapper(inner):
@@ -407,7 +383,10 @@ def _step_wrapper(inner, grads: bool = True):
             held.HOLD.on = False
         _idle()  # the records and fingerprints still due (a forward-only step waits for no gradient)
         numbers = step_numbers(self, kwargs.get("losses"), grads) if rec.depth == 1 and rec.enabled else None
-        rec.end_step((t_in, t_call, t_back), numbers)
+        # the step's lines written where the rank next idles: not between its last action and the next step
+        rec.end_step((t_in, t_call, t_back), numbers, later=True)
+        if rec.due is not None:
+            held.watch()  # ... or by the watcher, once LATE seconds old
         return out
 
     return _as(inner, wrapper)

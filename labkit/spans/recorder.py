@@ -1,5 +1,6 @@
-"""The spans of one process (`Recorder`): numbered by step, kept until the step ends, then written as
-one JSON line each to the current file, with the kit's own time around each action (`pre`, `post`,
+"""The spans of one process (`Recorder`): numbered by step, kept until the rank idles or the step ends,
+then written as one JSON line each to the current file (a schedule's step: its last lines where the rank
+next idles, `flush(later=True)`), with the kit's own time around each action (`pre`, `post`,
 `kit`) and a closing `end_step` line; a step in which torch.compile did anything, or in which a
 compiled stage ran, says what on its `begin_step` line (`compile`: dynamo's counts since the step
 before, and each compiled stage's state carried over cells and steps, `labkit.spans.compiled`); the
@@ -18,6 +19,7 @@ import weakref
 from pathlib import Path
 
 from . import compiled
+from .held import LATE
 from .paths import OFF_VAR
 
 PATCHED: set[str] = set()
@@ -57,7 +59,7 @@ def machine_load(at_start: tuple) -> dict:
     seconds in the step (its own share: cpu / wall) and seconds it waited for a CPU (`queued`), from
     its clocks `at_start` of the step (`_cpu`)."""
     now = _cpu()
-    out = {"cpu": round(now[0] - at_start[0], 9), "cores": os.cpu_count()}
+    out = {"cpu": round(now[0] - at_start[0], 9), "cores": _CORES}
     if now[1] is not None and at_start[1] is not None:
         out["queued"] = round(now[1] - at_start[1], 9)
     fields = _loadavg()
@@ -72,6 +74,7 @@ def machine_load(at_start: tuple) -> dict:
     return out
 
 
+_CORES = os.cpu_count()  # read once (a system call's file read, every step otherwise)
 _LOADAVG: list = []  # the fd of /proc/loadavg, kept open (None: there is none)
 
 
@@ -114,6 +117,15 @@ def _line(rank: int, step: int, host: bool, kind: str, stage: int, mb, s: float,
     return out + "}\n"
 
 
+def _end_line(end: dict) -> str:
+    """A step's `end_step` line: its wall time and the kit's seconds in it (`kit`: the wrappers' and the step
+    wrapper's bookkeeping, `flush`), the machine's load and the step's numbers."""
+    kit, book, calls, wall = end["kit"]
+    return json.dumps({"end_step": end["end_step"], "wall": round(wall, 9), "kit": round(kit + book, 9),
+                       "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls, **end["load"],
+                       **(end["numbers"] or {})}) + "\n"
+
+
 def _first(stepped: weakref.WeakSet, obj) -> bool:
     """Whether `obj` (a schedule) begins its first step in this process; it is noted as stepped. Held by a
     weak reference: nothing is set on the user's object, and a schedule dropped is forgotten with it."""
@@ -154,6 +166,8 @@ class Recorder:
         self.window: str | None = None  # what a fall-back is "since": "cell 3" (use_file's), else "step k"
         self.stepped = weakref.WeakSet()  # the schedule objects that began a step in this process
         self.first = False             # this step is its schedule object's first here (a warm-up: `begin_step`)
+        self.due = None                # a step ended `later`: its lines, written where the rank next idles
+        self._lock = threading.RLock()  # the file, between the rank's thread and the watcher (`write_overdue`)
 
     # ---- clocks
     def _on_cuda(self) -> bool:
@@ -192,6 +206,8 @@ class Recorder:
         """Where the rank would idle (a wait that blocks): the lines of this step's finished spans written out
         now, not at the step's end (host-clock spans only; the last span is left, as pieces of the kit's time
         may still join it). The step's end writes them with the rest, unchanged."""
+        if self.due is not None:
+            self.write_due()
         done, last = len(self.lines), len(self.buf) - 1
         if done >= last:
             return
@@ -231,17 +247,24 @@ class Recorder:
         if self.depth == 1 and self._on_cuda():
             self._base()
 
-    def end_step(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None) -> None:
+    def end_step(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None,
+                 later: bool = False) -> None:
         """`times`: the step wrapper's entry, its call of the inner step, and that call's return (host clock);
-        `numbers`: what the step computed (losses, gradient norms: `labkit.spans.numbers.step_numbers`)."""
+        `numbers`: what the step computed (losses, gradient norms: `labkit.spans.numbers.step_numbers`);
+        `later`: its lines written where the rank next idles (`flush`)."""
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
-            self.flush(times, numbers)
+            self.flush(times, numbers, later)
 
-    def flush(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None) -> None:
+    def flush(self, times: tuple[float, float, float] | None = None, numbers: dict | None = None,
+              later: bool = False) -> None:
         """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
         step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it, and the
-        step's `numbers` (`end_step`)."""
+        step's `numbers` (`end_step`). An earlier step's lines still due go first. `later` (host clocks
+        only): the step's lines are made ready but written where the rank next idles (`ahead`), at the next
+        step's end, when the file changes or closes, at exit, or by the watcher once `LATE` seconds old
+        (`write_overdue`): not on the path from the step's last action to the next step."""
+        self.write_due()
         kit, calls, loose = self.kit, self.calls, self.loose
         self.kit, self.calls, self.loose = 0.0, 0, []
         first, self.first = self.first, False
@@ -265,10 +288,6 @@ class Recorder:
         stages = compiled.stage_state(ran, dynamo, self.window or f"step {step}")
         if self.path is None:
             return
-        f = self._open()  # kept open from step to step
-        if self.path not in self.meta_written:
-            self.meta_written.add(self.path)
-            f.write(json.dumps({"meta": self.meta()}) + "\n")
         begin = {"begin_step": step, "schedule": self.schedule}
         if pipeline:  # which ranks form this rank's pipeline (labkit.core.actions.group_pipelines)
             begin["pipeline"] = pipeline
@@ -276,42 +295,80 @@ class Recorder:
             begin["first"] = True
         if compiled.any_counts(dynamo) or stages:  # torch.compile in this step (labkit.spans.compiled)
             begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
+        end = {"end_step": step, "numbers": numbers, "load": machine_load(self.step_cpu)} if times else None
+        if later and host:
+            t_in, t_call, t_back = times or (0.0, 0.0, 0.0)
+            at = _clock()  # the kit's time in this step ends here: writing is done where it idles later
+            if end is not None:
+                end["kit"] = (kit, (t_call - t_in) + (at - t_back), calls, at - t_in)
+            self.due = (self.path, step, host, begin, ahead, rows, end, at)
+            return
+        with self._lock:
+            f = self._write(self.path, step, host, begin, ahead, rows)
+            if end is not None:
+                f.flush()  # writing is the kit's too: measured up to the last line
+                t_in, t_call, t_back = times
+                at = _clock()
+                end["kit"] = (kit, (t_call - t_in) + (at - t_back), calls, at - t_in)
+                f.write(_end_line(end))
+            f.flush()  # every step's lines reach the file when the step ends (a live cell, a crash)
+
+    def _write(self, path: Path, step: int, host: bool, begin: dict, ahead: list, rows: list):
+        """A step's meta (a file's first), begin and span lines, to `path` (kept open); the open file."""
+        f = self._open(path)  # kept open from step to step
+        if path not in self.meta_written:
+            self.meta_written.add(path)
+            f.write(json.dumps({"meta": self.meta()}) + "\n")
         f.write(json.dumps(begin) + "\n")
         f.write("".join(ahead + [_line(self.rank, step, host, *row) for row in rows]))
-        if times is not None:
-            f.flush()  # writing is the kit's too: measured up to the last line
-            t_in, t_call, t_back = times
-            now = _clock()
-            book = (t_call - t_in) + (now - t_back)
-            f.write(json.dumps({"end_step": step, "wall": round(now - t_in, 9), "kit": round(kit + book, 9),
-                                "wrappers": round(kit, 9), "bookkeeping": round(book, 9), "calls": calls,
-                                **machine_load(self.step_cpu), **(numbers or {})}) + "\n")
-        f.flush()  # every step's lines reach the file when the step ends (a live cell, a crash)
+        return f
 
-    def _open(self):
-        """The current file, open for appending, kept open from step to step (opened again after a fork, when
-        `use_file` moves to another file, and when the file was deleted)."""
+    def write_due(self) -> None:
+        """The lines of a step ended `later`, written now (nothing if none are due)."""
+        if self.due is None:
+            return
+        with self._lock:
+            due, self.due = self.due, None
+            if due is None:  # written meanwhile by the watcher
+                return
+            path, step, host, begin, ahead, rows, end, _ = due
+            f = self._write(path, step, host, begin, ahead, rows)
+            if end is not None:
+                f.write(_end_line(end))
+            f.flush()
+
+    def write_overdue(self, now: float | None = None) -> None:
+        """From the watcher thread (`labkit.spans.held`): a step's lines due for `LATE` seconds or more written
+        (a rank that stopped in its own code after a step, a loader or a collective, has written its last step)."""
+        due = self.due
+        if due is not None and (now if now is not None else _clock()) - due[-1] >= LATE:
+            self.write_due()
+
+    def _open(self, path: Path):
+        """`path` (the current file), open for appending, kept open from step to step (opened again after a
+        fork, when `use_file` moves to another file, and when the file was deleted)."""
         held = self._file
-        if held is not None and held[0] == self.path and held[1] == os.getpid():
+        if held is not None and held[0] == path and held[1] == os.getpid():
             try:
                 if os.fstat(held[2].fileno()).st_nlink:  # not deleted meanwhile (then it is made again)
                     return held[2]
             except (OSError, ValueError):
                 pass
         self.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a")
-        self._file = (self.path, os.getpid(), f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+        self._file = (path, os.getpid(), f)
         return f
 
     def close(self) -> None:
-        """The current file closed (its lines are all written: each step's are flushed when it ends)."""
-        held, self._file = self._file, None
-        if held is not None and held[1] == os.getpid():
-            try:
-                held[2].close()
-            except OSError:
-                pass
+        """The current file closed (its lines written: each step's are flushed when written)."""
+        with self._lock:
+            held, self._file = self._file, None
+            if held is not None and held[1] == os.getpid():
+                try:
+                    held[2].close()
+                except OSError:
+                    pass
 
     def _resolve(self, buf: list[list]) -> list[list]:
         if not any(not isinstance(x[3], float) for x in buf):

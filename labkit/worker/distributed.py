@@ -117,7 +117,11 @@ def quiet_warnings() -> None:
 def exit_now(code: int | None) -> None:
     """End the rank now, after the process group is torn down and output flushed, skipping the
     interpreter's own teardown: under load, destroying leftover pipelining objects at exit sometimes
-    aborted a rank ("terminate called without an active exception", exit -6) after it had finished."""
+    aborted a rank ("terminate called without an active exception", exit -6) after it had finished. The kit's
+    records still due (the last step's span lines, labkit.spans.record.write_all) are written first."""
+    record = sys.modules.get("labkit.spans.record")
+    if record is not None:
+        record.write_all()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
