@@ -125,7 +125,7 @@ def _within_figures(got: dict) -> dict:
             "pairs": len(r0["wall"]), "off_step_s": r0["off_wall"]}
 
 
-def within(pairs: int = 150) -> dict:
+def within(pairs: int = 400) -> dict:
     """The kit's instruments' own cost inside one job: steps in pairs, every instrument on against every one
     off (the pipelining logs' level, the spans recorder, the input fingerprints), each pair's order
     alternating; launched eager and compiled (`labkit launch`), and in a live-ranks cell."""
