@@ -164,20 +164,23 @@ def _one_action_step(rec):
     return lambda: record._step_wrapper(inner)(Sched())
 
 
-def test_a_steps_lines_are_written_where_the_rank_next_idles_not_when_it_ends(monkeypatch, tmp_path):
+def test_a_steps_lines_are_made_ready_when_it_ends_and_written_off_its_path(monkeypatch, tmp_path):
     """The step wrapper leaves the step's lines due (not on the path from its last action to the next step's
-    first); a wait that would block writes them first, a wait that would not leaves them; the next step's end
-    writes them before its own, in order; a change of file (a live cell's end), `write_all` (before an exit
-    that skips atexit) and the process's exit write them too."""
+    first) and wakes the watcher for them (here a stand-in, so nothing else writes them); a wait that would
+    block writes them first, a wait that would not leaves them; the next step's end writes them before its own,
+    in order; a change of file (a live cell's end), `write_all` (before an exit that skips atexit) and the
+    process's exit write them too."""
     from labkit.spans.recorder import Recorder
 
+    woken = []
+    monkeypatch.setattr(held, "wake", lambda: woken.append(1))
     path = tmp_path / "rank0.jsonl"
     rec = Recorder(path, 0)
     monkeypatch.setattr(record, "RECORDER", rec)
     step = _one_action_step(rec)
     wait = record._wait_wrapper(lambda works: None)
     step()
-    assert rec.due is not None and _steps_written(path) == []
+    assert rec.due is not None and _steps_written(path) == [] and woken == [1]
     wait([_Work(True)])  # complete: the rank would not idle, nothing of the kit's is done there
     assert _steps_written(path) == []
     wait([_Work(False)])  # it would block: the rank idles, the step's lines are written first
@@ -189,7 +192,8 @@ def test_a_steps_lines_are_written_where_the_rank_next_idles_not_when_it_ends(mo
     step()
     record.write_all()
     assert _steps_written(tmp_path / "next.jsonl") == [3]
-    code = ("import sys\nfrom labkit.spans import record\n"
+    code = ("import sys\nfrom labkit.spans import held, record\n"
+            "held.wake = lambda: None\n"  # no watcher: only the exit writes the step's lines
             "rec = record.install(sys.argv[1], 0)\n"  # as in every rank the kit starts (its atexit hook too)
             "class S: pass\n"
             "record._step_wrapper(lambda self: rec.add('F', 0, 0, rec.now(), rec.now()))(S())\n"
@@ -207,23 +211,41 @@ def test_a_steps_lines_are_written_where_the_rank_next_idles_not_when_it_ends(mo
         assert _steps_written(out / "rank0.jsonl") == [0], how
 
 
-def test_a_steps_lines_left_due_are_written_by_the_watcher_once_overdue(monkeypatch, tmp_path):
-    """A rank that stops in its own code after a step (a collective of its own, a loader, an evaluation) still
-    writes that step's lines: the watcher thread writes them once they are LATE seconds old."""
+def _watched(monkeypatch, tmp_path, late: float, wake: bool):
+    """A recorder whose step lines only the watcher can write (once `late` s old, or woken when `wake`); the
+    time from the step's end to its lines in the file."""
     import time
 
     from labkit.spans import recorder as recorder_mod
     from labkit.spans.recorder import Recorder
 
-    monkeypatch.setattr(recorder_mod, "LATE", 0.2)
+    monkeypatch.setattr(recorder_mod, "LATE", late)
+    if not wake:
+        monkeypatch.setattr(held, "wake", held.watch)  # the watcher runs, but is never woken
+        held._WAKE[0].clear()
     path = tmp_path / "rank0.jsonl"
     rec = Recorder(path, 0)
     monkeypatch.setattr(record, "RECORDER", rec)
     if record._overdue not in held.TICKS:
         monkeypatch.setattr(held, "TICKS", [*held.TICKS, record._overdue])
+    t0 = time.time()
     _one_action_step(rec)()
-    assert _steps_written(path) == []
-    deadline = time.time() + 10
+    deadline = t0 + 10
     while not _steps_written(path) and time.time() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert _steps_written(path) == [0] and rec.due is None
+    return time.time() - t0
+
+
+def test_the_watcher_woken_at_a_steps_end_writes_its_lines_while_the_rank_goes_on(monkeypatch, tmp_path):
+    """The step wrapper wakes the watcher thread, which writes the step's lines at once (here well before they
+    could be overdue): a rank killed soon after its step (SIGTERM from torchrun when a peer fails, a user's
+    stop) has written it."""
+    assert _watched(monkeypatch, tmp_path, late=100.0, wake=True) < 5
+
+
+def test_a_steps_lines_left_due_are_written_by_the_watcher_once_overdue(monkeypatch, tmp_path):
+    """Whatever woke it, the watcher writes a step's lines once they are LATE seconds old: a rank that stops in
+    its own code after a step (a collective of its own, a loader, an evaluation) has written that step."""
+    took = _watched(monkeypatch, tmp_path, late=0.5, wake=False)
+    assert took >= 0.5

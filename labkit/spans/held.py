@@ -113,7 +113,8 @@ def overdue(now: float | None = None) -> bool:
     return bool(records) and (now if now is not None else time.time()) - records[0][1].created >= LATE
 
 
-TICKS: list = []  # what the watcher also calls every LATE / 4 s (labkit.spans.record: a step's lines overdue)
+TICKS: list = []  # what the watcher also calls, with whether it was woken (labkit.spans.record: a step's lines)
+_WAKE = [threading.Event()]  # set: the watcher runs its TICKS now (`wake`)
 
 
 def watch() -> None:
@@ -122,9 +123,16 @@ def watch() -> None:
         _watch()
 
 
+def wake() -> None:
+    """The watcher woken now (started where it does not run): its `TICKS` called with `True` (a step's span
+    lines are ready: written from the watcher while the rank goes on, labkit.spans.record)."""
+    watch()
+    _WAKE[0].set()
+
+
 def _watch() -> None:
-    """This process's watcher: every LATE / 4 s, the held records written if the oldest is overdue, and
-    `TICKS` called."""
+    """This process's watcher: every LATE / 4 s, and when woken (`wake`), the held records written if the
+    oldest is overdue, and `TICKS` called with whether it was woken."""
     _WATCHER[0] = os.getpid()
 
     def loop() -> None:
@@ -133,12 +141,14 @@ def _watch() -> None:
         except (AttributeError, OSError, ValueError):  # pragma: no cover (not on Linux)
             pass
         while True:
-            time.sleep(LATE / 4)
+            event = _WAKE[0]
+            woke = event.wait(LATE / 4)
+            event.clear()
             if overdue():
                 release()
             for tick in TICKS:
                 try:
-                    tick()
+                    tick(woke)
                 except Exception:  # noqa: BLE001  (the watcher never dies over one of them)
                     pass
 
@@ -153,6 +163,7 @@ def _after_fork() -> None:
     """A forked child (a warm rank) holds nothing of its parent's and starts its own watcher when it holds."""
     global _LOCK
     _LOCK = threading.RLock()
+    _WAKE[0] = threading.Event()
     HOLD.records = []
 
 

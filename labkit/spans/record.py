@@ -51,10 +51,10 @@ Where the rank would idle (a wait that blocks: a transfer not yet complete) the 
 torch's pipelining records held on CPU are written (`labkit.spans.held`), the activations' fingerprints taken
 (`labkit.spans.received`) and the step's finished spans written out (`Recorder.ahead`); torch's records and
 fingerprints still due, at the step's end (`labkit.spans.later`). A step's own last lines (its last spans,
-`begin_step`, `end_step`) are made ready when it ends and written where the rank next idles, not between
-its last action and the next step (the first stage's step end is on the pipeline's critical path); or at
-the next step's end, a live cell's end, exit (`write_all` before an `os._exit`), or by the watcher thread
-once `LATE` seconds old (`labkit.spans.held`: a rank that stops in its own code after a step has written it).
+`begin_step`, `end_step`) are made ready when it ends and written by the watcher thread, woken for them
+(`labkit.spans.held`), while the rank goes on: not between its last action and the next step (the first
+stage's step end is on the pipeline's critical path); or first at the rank's next blocking wait, the next
+step's end, a live cell's end, or exit (`write_all` before an `os._exit`).
 
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
@@ -96,7 +96,7 @@ def install(out_dir: str | os.PathLike | None = None, rank: int | None = None) -
         _patch()
         held.watch_loggers()
         atexit.register(RECORDER.flush)  # the last step's lines, where still due
-        held.TICKS.append(_overdue)  # ... or once LATE seconds old: written by the watcher (labkit.spans.held)
+        held.TICKS.append(_overdue)  # ... or by the watcher thread (labkit.spans.held)
         atexit.register(held.release)  # runs before logging's own shutdown (registered earlier, run later)
     return RECORDER
 
@@ -317,11 +317,12 @@ def _post_wrapper(inner):
     return _as(inner, wrapper)
 
 
-def _overdue() -> None:
-    """From the watcher thread: the last step's lines written once `LATE` seconds old (`Recorder.write_overdue`)."""
+def _overdue(woke: bool = False) -> None:
+    """From the watcher thread: the last step's lines written when it was woken for them, or once `LATE` seconds
+    old (`Recorder.write_overdue`)."""
     rec = RECORDER
     if rec is not None:
-        rec.write_overdue()
+        rec.write_overdue(at_once=woke)
 
 
 def _wait_wrapper(inner):
@@ -386,7 +387,7 @@ def _step_wrapper(inner, grads: bool = True):
         # the step's lines written where the rank next idles: not between its last action and the next step
         rec.end_step((t_in, t_call, t_back), numbers, later=True)
         if rec.due is not None:
-            held.watch()  # ... or by the watcher, once LATE seconds old
+            held.wake()  # ... by the watcher thread, now, while this thread goes on
         return out
 
     return _as(inner, wrapper)

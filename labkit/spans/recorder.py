@@ -1,7 +1,7 @@
 """The spans of one process (`Recorder`): numbered by step, kept until the rank idles or the step ends,
-then written as one JSON line each to the current file (a schedule's step: its last lines where the rank
-next idles, `flush(later=True)`), with the kit's own time around each action (`pre`, `post`,
-`kit`) and a closing `end_step` line; a step in which torch.compile did anything, or in which a
+then written as one JSON line each to the current file (a schedule's step: its last lines by the watcher
+thread or where the rank next idles, `flush(later=True)`), with the kit's own time around each action
+(`pre`, `post`, `kit`) and a closing `end_step` line; a step in which torch.compile did anything, or in which a
 compiled stage ran, says what on its `begin_step` line (`compile`: dynamo's counts since the step
 before, and each compiled stage's state carried over cells and steps, `labkit.spans.compiled`); the
 first step a schedule object runs in this process says so there too (`"first": true`: a warm-up, in
@@ -166,7 +166,7 @@ class Recorder:
         self.window: str | None = None  # what a fall-back is "since": "cell 3" (use_file's), else "step k"
         self.stepped = weakref.WeakSet()  # the schedule objects that began a step in this process
         self.first = False             # this step is its schedule object's first here (a warm-up: `begin_step`)
-        self.due = None                # a step ended `later`: its lines, written where the rank next idles
+        self.due = None                # a step ended `later`: its lines, not yet written (`write_due`)
         self._lock = threading.RLock()  # the file, between the rank's thread and the watcher (`write_overdue`)
 
     # ---- clocks
@@ -261,9 +261,10 @@ class Recorder:
         """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
         step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it, and the
         step's `numbers` (`end_step`). An earlier step's lines still due go first. `later` (host clocks
-        only): the step's lines are made ready but written where the rank next idles (`ahead`), at the next
-        step's end, when the file changes or closes, at exit, or by the watcher once `LATE` seconds old
-        (`write_overdue`): not on the path from the step's last action to the next step."""
+        only): the step's lines are made ready, not written: the step wrapper wakes the watcher thread, which
+        writes them while this thread goes on (`write_overdue`), unless the rank first reaches a blocking wait
+        (`ahead`), the next step's end, a change of file or exit: not on the path from the step's last action
+        to the next step."""
         self.write_due()
         kit, calls, loose = self.kit, self.calls, self.loose
         self.kit, self.calls, self.loose = 0.0, 0, []
@@ -337,11 +338,12 @@ class Recorder:
                 f.write(_end_line(end))
             f.flush()
 
-    def write_overdue(self, now: float | None = None) -> None:
-        """From the watcher thread (`labkit.spans.held`): a step's lines due for `LATE` seconds or more written
-        (a rank that stopped in its own code after a step, a loader or a collective, has written its last step)."""
+    def write_overdue(self, now: float | None = None, at_once: bool = False) -> None:
+        """From the watcher thread (`labkit.spans.held`): a step's lines written `at_once` (the step wrapper woke
+        the watcher for them), or once due for `LATE` seconds (a rank that stopped in its own code after a step,
+        a loader or a collective, has written its last step whatever woke the watcher)."""
         due = self.due
-        if due is not None and (now if now is not None else _clock()) - due[-1] >= LATE:
+        if due is not None and (at_once or (now if now is not None else _clock()) - due[-1] >= LATE):
             self.write_due()
 
     def _open(self, path: Path):
