@@ -1,6 +1,7 @@
 """labkit.spans.held: torch's pipelining records, made where torch makes them, written later (before a wait
 that blocks, at a step's end, by the watcher once overdue): the same text, the same order, none lost;
-outside a step (and on CUDA) written at once."""
+outside a step (and on CUDA) written at once. A schedule step's own last span lines likewise: made ready when
+it ends, written at the rank's next blocking wait or by the watcher, woken for them, a moment later."""
 
 from __future__ import annotations
 

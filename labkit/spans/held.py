@@ -43,6 +43,7 @@ import time
 PP_LOGGER = "torch.distributed.pipelining"
 CAP = 256  # never more records held than this
 LATE = 1.0  # seconds a record may be held before the watcher writes it
+SOON = 0.05  # seconds the watcher, woken, leaves the rank to reach a blocking wait first (`wake`)
 
 
 class _Hold:
@@ -124,8 +125,9 @@ def watch() -> None:
 
 
 def wake() -> None:
-    """The watcher woken now (started where it does not run): its `TICKS` called with `True` (a step's span
-    lines are ready: written from the watcher while the rank goes on, labkit.spans.record)."""
+    """The watcher woken (started where it does not run): `SOON` s later its `TICKS` are called with `True` (a
+    step's span lines are ready, labkit.spans.record: written from the watcher while the rank goes on, unless
+    the rank wrote them first where it idled, at a blocking wait, with no other thread wanting the GIL)."""
     watch()
     _WAKE[0].set()
 
@@ -144,6 +146,8 @@ def _watch() -> None:
             event = _WAKE[0]
             woke = event.wait(LATE / 4)
             event.clear()
+            if woke:
+                time.sleep(SOON)
             if overdue():
                 release()
             for tick in TICKS:

@@ -51,10 +51,11 @@ Where the rank would idle (a wait that blocks: a transfer not yet complete) the 
 torch's pipelining records held on CPU are written (`labkit.spans.held`), the activations' fingerprints taken
 (`labkit.spans.received`) and the step's finished spans written out (`Recorder.ahead`); torch's records and
 fingerprints still due, at the step's end (`labkit.spans.later`). A step's own last lines (its last spans,
-`begin_step`, `end_step`) are made ready when it ends and written by the watcher thread, woken for them
-(`labkit.spans.held`), while the rank goes on: not between its last action and the next step (the first
-stage's step end is on the pipeline's critical path); or first at the rank's next blocking wait, the next
-step's end, a live cell's end, or exit (`write_all` before an `os._exit`).
+`begin_step`, `end_step`) are made ready when it ends, not written between its last action and the next
+step (the first stage's step end is on the pipeline's critical path): the rank writes them at its next
+blocking wait, or the watcher thread, woken for them, `SOON` (50 ms) later while the rank goes on
+(`labkit.spans.held`); the next step's end, a live cell's end and exit (`write_all` before an `os._exit`)
+write them if first.
 
 Loaded in every rank the kit starts through `labkit/spans/boot/sitecustomize.py` when
 `LABKIT_SPANS_DIR` is set (labkit.launching.command.job_env sets it); `install` may also be called
@@ -387,7 +388,7 @@ def _step_wrapper(inner, grads: bool = True):
         # the step's lines written where the rank next idles: not between its last action and the next step
         rec.end_step((t_in, t_call, t_back), numbers, later=True)
         if rec.due is not None:
-            held.wake()  # ... by the watcher thread, now, while this thread goes on
+            held.wake()  # ... by the watcher thread, SOON after, unless the rank idles first
         return out
 
     return _as(inner, wrapper)

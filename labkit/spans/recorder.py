@@ -261,10 +261,10 @@ class Recorder:
         """Write the buffered spans (CUDA events resolved to host-clock seconds) as one step; with the
         step wrapper's `times`, end it with the step's wall time and the kit's own seconds in it, and the
         step's `numbers` (`end_step`). An earlier step's lines still due go first. `later` (host clocks
-        only): the step's lines are made ready, not written: the step wrapper wakes the watcher thread, which
-        writes them while this thread goes on (`write_overdue`), unless the rank first reaches a blocking wait
-        (`ahead`), the next step's end, a change of file or exit: not on the path from the step's last action
-        to the next step."""
+        only): the step's lines are made ready, not written: the rank writes them at its next blocking wait
+        (`ahead`), or the watcher thread, which the step wrapper wakes, a moment later (`write_overdue`); the
+        next step's end, a change of file or exit, if first: not on the path from the step's last action to
+        the next step."""
         self.write_due()
         kit, calls, loose = self.kit, self.calls, self.loose
         self.kit, self.calls, self.loose = 0.0, 0, []
