@@ -250,3 +250,32 @@ def test_a_steps_lines_left_due_are_written_by_the_watcher_once_overdue(monkeypa
     its own code after a step (a collective of its own, a loader, an evaluation) has written that step."""
     took = _watched(monkeypatch, tmp_path, late=0.5, wake=False)
     assert took >= 0.5
+
+
+def test_steps_written_by_the_watcher_and_the_rank_at_once_are_each_written_once_in_order(monkeypatch, tmp_path):
+    """The watcher (woken at every step's end, with no wait: `SOON` 0) and the rank's own blocking waits and step
+    ends race to write the due lines: each step is written once, whole, in order."""
+    import json
+    import time
+
+    from labkit.spans.recorder import Recorder
+
+    monkeypatch.setattr(held, "SOON", 0.0)
+    path = tmp_path / "rank0.jsonl"
+    rec = Recorder(path, 0)
+    monkeypatch.setattr(record, "RECORDER", rec)
+    if record._overdue not in held.TICKS:
+        monkeypatch.setattr(held, "TICKS", [*held.TICKS, record._overdue])
+    step = _one_action_step(rec)
+    wait = record._wait_wrapper(lambda works: None)
+    for i in range(300):
+        step()
+        if i % 3 == 0:
+            wait([_Work(False)])
+        elif i % 3 == 1:
+            time.sleep(0.001)  # the rank in its own code a moment: the watcher may write first
+    record.write_all()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]  # every line whole
+    assert [r["begin_step"] for r in rows if "begin_step" in r] == list(range(300))
+    assert _steps_written(path) == list(range(300))
+    assert [r["step"] for r in rows if r.get("kind") == "F"] == list(range(300))
