@@ -206,8 +206,6 @@ class Recorder:
         """Where the rank would idle (a wait that blocks): the lines of this step's finished spans written out
         now, not at the step's end (host-clock spans only; the last span is left, as pieces of the kit's time
         may still join it). The step's end writes them with the rest, unchanged."""
-        if self.due is not None:
-            self.write_due()
         done, last = len(self.lines), len(self.buf) - 1
         if done >= last:
             return
@@ -298,9 +296,9 @@ class Recorder:
             begin["compile"] = {**dynamo, "stages": stages} if stages else dynamo
         end = {"end_step": step, "numbers": numbers, "load": machine_load(self.step_cpu)} if times else None
         if later and host:
-            t_in, t_call, t_back = times or (0.0, 0.0, 0.0)
             at = _clock()  # the kit's time in this step ends here: writing is done where it idles later
             if end is not None:
+                t_in, t_call, t_back = times
                 end["kit"] = (kit, (t_call - t_in) + (at - t_back), calls, at - t_in)
             self.due = (self.path, step, host, begin, ahead, rows, end, at)
             return
