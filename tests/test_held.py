@@ -165,6 +165,7 @@ def _one_action_step(rec):
     return lambda: record._step_wrapper(inner)(Sched())
 
 
+@pytest.mark.launches  # two subprocesses that import torch (the exits)
 def test_a_steps_lines_are_made_ready_when_it_ends_and_written_off_its_path(monkeypatch, tmp_path):
     """The step wrapper leaves the step's lines due (not on the path from its last action to the next step's
     first) and wakes the watcher for them (here a stand-in, so nothing else writes them); a wait that would
