@@ -517,3 +517,39 @@ def test_a_pipelining_record_is_formatted_once_for_the_rank_stderr_and_the_cell_
     assert texts[0] == texts[1] == texts[3] and texts[0].endswith("[Stage 0] Forwarded chunk 3\n"), texts
     assert texts[2] == "DEBUG [Stage 0] Forwarded chunk 3\n", texts
     assert len(calls) == 3  # the two handlers of one format: once; the other format; the plain Formatter
+
+
+@pytest.mark.launches
+def test_a_start_that_times_out_says_where_each_rank_that_never_joined_was(tmp_path):
+    """A rank frozen (SIGSTOP) as soon as torchrun forks it: no rank can join (the other waits for it in the
+    process group's rendezvous), the start times out, and the error shows each rank's stack from its
+    faulthandler dump, taken as the job is ended; nothing is left running."""
+    me, frozen, done = psutil.Process(), [], threading.Event()
+    before = {p.pid for p in me.children(recursive=True)}  # another pool's (a fixture's) left alone
+
+    def freeze_the_first_rank():  # a worker: a child of the torchrun agent, itself a child of this process
+        while not done.is_set() and not frozen:
+            for agent in (a for a in me.children() if a.pid not in before):
+                try:
+                    for worker in (w for w in agent.children() if w.cmdline() == agent.cmdline()):  # a fork
+                        worker.send_signal(signal.SIGSTOP)
+                        frozen.extend([agent.pid, worker.pid])
+                        return
+                except psutil.Error:
+                    pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=freeze_the_first_rank, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(RanksError) as err:
+            labkit.Ranks(nproc=2, device="cpu", runs_root=tmp_path, start_timeout=20)
+    finally:
+        done.set()
+    text = str(err.value)
+    assert frozen, "no worker was seen to freeze"
+    assert "only 0 of 2 ranks joined within 20 s" in text, text
+    where = text.split("Where the ranks that never joined were:")[1]
+    assert "rank 0:" in where and "rank 1:" in where, text
+    assert "Current thread" in where and 'File "' in where, text  # faulthandler's dump, frames and all
+    assert not [p for p in me.children(recursive=True) if p.pid not in before], "the agent and every rank ended"

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..launching.clean import kill_all
 from ..launching.command import command_text, job_env, torchrun_command
 from ..launching.warm import warm_command
-from ..launching.diagnose import _root_cause_from_launcher, launcher_text
+from ..launching.diagnose import _root_cause_from_launcher, current_thread, launcher_text
 from ..launching.stop import descendants, die_with_parent, stop_job
 from . import channel
 
@@ -209,10 +209,26 @@ class Job:
             lines = lines[:cells[-1] + 1]
         return "(from faulthandler: the rank could not answer, e.g. C code holding the GIL)\n" + "\n".join(lines)
 
+    def unjoined_stacks(self, n: int = TAIL_LINES) -> str:
+        """Where each rank that never joined was when the job was ended with its stacks dumped (`stop(dump_stacks=
+        True)`): the interrupted thread of its faulthandler dump (innermost frame first), else the tail of its log."""
+        out = []
+        for r in (r for r in range(self.nproc) if r not in self.hello):
+            p = self.rank_log(r)
+            if p is None or not p.exists():
+                out.append(f"rank {r}: not started (torchrun's agent had not started it: see launcher.log)")
+                continue
+            text = p.read_text(errors="replace")
+            i = text.rfind("Fatal Python error")
+            where = current_thread(text[i:]) if i >= 0 else self.tail(r, n)
+            out.append(f"rank {r}:\n" + "\n".join(where.strip().splitlines()[:n] or ["(no log)"]))
+        return "\n".join(out) or "(every rank joined)"
+
     # ---- ending
 
-    def stop(self, grace: float = 3.0) -> None:
-        """Ask every rank to exit, then make sure the agent and every rank are gone."""
+    def stop(self, grace: float = 3.0, dump_stacks: bool = False) -> None:
+        """Ask every rank to exit, then make sure the agent and every rank are gone (dump_stacks: each rank's
+        stacks written to its stderr.log first, `stop_job`'s)."""
         import psutil
 
         self.closing = True
@@ -233,7 +249,8 @@ class Job:
                     self.proc.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     pass
-            stop_job(self.proc, known, grace=grace)  # ends the agent, then every rank it knew of
+            # ends the agent, then every rank it knew of
+            stop_job(self.proc, known, grace=grace, dump_stacks=dump_stacks)
         else:
             kill_all(list(known.values()), grace)
         for conn in list(self.conns.values()):

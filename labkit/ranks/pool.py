@@ -117,11 +117,13 @@ class Ranks(CellReadings):
         except StartError as e:
             tail = job.tail(0) if job.rank_log(0) else "(rank 0 wrote no log)"
             launcher = job.launcher_tail()  # before stopping: then it only shows torchrun being ended
-            job.stop()
+            late = job.proc.poll() is None  # timed out: where each rank that never joined was, from its stacks
+            job.stop(dump_stacks=late)
+            where = f"Where the ranks that never joined were:\n{_indent(job.unjoined_stacks())}\n" if late else ""
             raise RanksError(
                 f"The pool's {self.nproc} ranks did not start: {e}\nCommand: {' '.join(job.command)}\n"
                 f"Run directory: {self.run_dir}\nLast lines of launcher.log:\n{_indent(launcher)}\n"
-                f"Last lines of rank 0's log:\n{_indent(tail)}\nCheck `labkit doctor`; on a slow machine pass "
+                f"Last lines of rank 0's log:\n{_indent(tail)}\n{where}Check `labkit doctor`; on a slow machine pass "
                 f"start_timeout= (now {self.start_timeout:g} s).") from None
         except BaseException:
             job.stop()
