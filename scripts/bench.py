@@ -22,7 +22,8 @@ pair, because these machines are noisy: never compare absolute times across runs
 6. span recording (labkit.spans): step time with spans on vs off inside each job (A/A control) [capture]; the
    pipelining logs' and the spans' cost as a user launches, whole jobs in pairs, quiet and loaded
    (`--only as_launched`) [as_launched]; the kit against plain torchrun on one user script, eager and
-   compiled, launched and in live ranks: step time and peak memory (`--only observer`) [observer], and the
+   compiled, launched and in live ranks, and plain torchrun against itself (how far whole jobs part): step
+   time and peak memory (`--only observer`) [observer], and the
    instruments' own cost inside one job, steps in pairs (`--only observer_within`) [observer.within]; the run
    watch, a 100-step run checked every 10 steps against the run alone, and a bug at step 37 named
    (`--only watch`) [watch], and its peak memory with slices= against the step's (`--only watch_memory`)

@@ -306,6 +306,12 @@ def test_the_observer_rows_say_each_way_and_condition():
     assert ("| launch eager | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) | 0.990-1.035 | 1.010x (0.970-1.040) | "
             "0.640x") in "\n".join(bench._observer_rows(ob))
     assert "| live ranks eager | a busy loop a core (load 2.1-2.4) |" in text and bench._observer_rows(None) == []
+    assert "against itself" not in text.split("\n\n| the kit |")[1]  # not measured: no row
+    from benches.observer import AA
+    ob["quiet"][AA] = row["launch eager"]
+    text = "\n".join(bench._observer_rows(ob))
+    assert ("| plain torchrun against itself | no busy loop (load 0.3-0.5) | 1.010x (0.970-1.040) |" in text
+            and "plain torchrun against itself | a busy loop" not in text)
 
 
 def test_the_observer_section_says_the_instruments_cost_inside_one_job():

@@ -6,6 +6,7 @@ barriers) run by plain torchrun and by the kit, in interleaved pairs, each pair'
   `python -m torch.distributed.run --standalone`, eager and with the stage compiled (`module.compile()`,
   inductor); the compiled jobs' first steps compile and are left out with the warm-up;
 - live ranks (`labkit.Ranks`, the script run in a cell) against the same plain torchrun job, eager;
+- and, quiet, plain torchrun against itself: how far two whole jobs of one script part with no kit at all;
 
 each quiet and beside one busy process per core. Per pair: the kit's median warm step over plain
 torchrun's, and the kit's peak resident memory per rank (ru_maxrss, the larger rank) over plain
@@ -26,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 OBSERVER_HEADING = "The kit against plain torchrun: the same script's step time and peak memory"
+AA = "plain torchrun against itself"  # the quiet row that says how far two whole jobs of one script part anyway
 _SETUP = """    rank, world = dist.get_rank(), dist.get_world_size()
     n, compiled = int(sys.argv[1]), sys.argv[2] == "compiled"
     torch.manual_seed(0)
@@ -251,6 +253,9 @@ def observer(pairs: int = 8, compiled_pairs: int = 8, steps: int = 20, condition
                         "live ranks eager": _pairs(lambda: _warm(pool, script, steps),
                                                    lambda: _plain(script, steps, "eager"), pairs),
                     }
+                    if condition == "quiet":  # the floor of any whole-job ratio: plain torchrun against itself
+                        row[AA] = _pairs(lambda: _plain(script, steps, "eager"),
+                                         lambda: _plain(script, steps, "eager"), pairs)
                     out[condition] = {**row, "load": [round(load, 1), round(os.getloadavg()[0], 1)]}
                 finally:
                     for p in busy:
@@ -274,13 +279,15 @@ def _observer_rows(ob: dict | None) -> list[str]:
            "process per core beside both sides (\"no busy loop\" is only as quiet as its load says). Step: the kit's median warm step over plain torchrun's; "
            "CPU: the ranks' CPU seconds in a step (each rank thread's, summed), the kit's over plain torchrun's "
            "(what the instruments add, barely moved by the machine's load); peak: the larger rank's peak "
-           "resident memory (ru_maxrss), the kit's over plain torchrun's.")
+           "resident memory (ru_maxrss), the kit's over plain torchrun's. The last quiet row, plain torchrun "
+           "against itself (the same pairs with plain torchrun on both sides), is how far two whole jobs of one "
+           "script part anyway: a bound on whole jobs means nothing inside its interval.")
     rows = []
     for condition, label in (("quiet", "no busy loop"), ("loaded", "a busy loop a core")):
         c = ob.get(condition)
         if not c:
             continue
-        for way in ("launch eager", "launch compiled", "live ranks eager"):
+        for way in (w for w in ("launch eager", "launch compiled", "live ranks eager", AA) if w in c):
             s, p, u = c[way]["step"], c[way]["peak"], c[way].get("cpu")
             cpu = f"{u['median']:.3f}x ({u['min']:.3f}-{u['max']:.3f})" if u else "-"
             ci = _interval_text(s.get("ci95"))
