@@ -91,6 +91,47 @@ def test_the_records_are_written_where_the_rank_would_wait_and_not_on_the_way_to
     assert [l.split("] ", 1)[1] for l in out.getvalue().splitlines()] == ["Forwarded chunk 0", "batch_p2p bwd_recv"]
 
 
+class _Arrives:
+    """A transfer that completes once it has been asked `after` times whether it has, and said no each time (the
+    peer's data lands while the rank does the kit's deferred work)."""
+
+    def __init__(self, after: int):
+        self.left = after
+
+    def is_completed(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_a_wait_stops_the_deferred_work_once_its_transfer_completes_and_the_next_one_goes_on(probe, monkeypatch):
+    """At a wait that blocks, the kit's deferred work is done a piece at a time (a record, a fingerprint), and
+    stops as soon as the transfer is in: the rank goes on at once; the next blocking wait does the rest, in the
+    order it was made; a step's end does all of it."""
+    from labkit.spans import received
+
+    lg, out = probe
+    wait = record._wait_wrapper(lambda works: None)
+    monkeypatch.setattr(received, "PENDING", [])
+    taken = []
+    monkeypatch.setattr(received, "fingerprint", lambda t: taken.append(t) or ("fp", t))
+    held.HOLD.on = True
+    for i in range(5):
+        lg.debug("record %s", i)
+    slots = {"out": [received.DUE] * 3}
+    received.PENDING.extend((slots, "out", i, f"act{i}") for i in range(3))
+    wait([_Arrives(2)])  # not in at the wait's first look, nor after one record: in after the second
+    assert out.getvalue().count("\n") == 2 and len(held.HOLD.records) == 3 and taken == []
+    wait([_Arrives(6)])  # the wait's look, three records, the look before the fingerprints, one: in after two
+    assert [l.split("] ")[1] for l in out.getvalue().splitlines()] == [f"record {i}" for i in range(5)]
+    assert taken == ["act0", "act1"] and slots["out"] == [("fp", "act0"), ("fp", "act1"), received.DUE]
+    wait([_Work(True)])  # complete at once: nothing of the kit's done there
+    assert len(received.PENDING) == 1
+    from labkit.spans.later import idle
+
+    idle()  # a step's end: everything left
+    assert slots["out"][2] == ("fp", "act2") and not received.PENDING
+
+
 def test_the_watcher_writes_records_held_too_long(probe, monkeypatch):
     """A rank that stops inside a compute (no wait, no step end) still has its records written, by the
     watcher thread, once the oldest was held LATE seconds; the thread takes no signal."""

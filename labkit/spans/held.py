@@ -89,12 +89,19 @@ def watch_loggers() -> None:
             lg.addFilter(f)
 
 
-def release() -> None:
-    """The held records, to their handlers, in order. Never raises: where passing them on fails, holding stops
-    (every later record is written at once) and that is said once on stderr."""
+def release(more=None) -> None:
+    """The held records, to their handlers, in order; with `more`, one at a time while `more()` says to go on
+    (the rank's wait has not completed: labkit.spans.later.idle). Never raises: where passing them on fails,
+    holding stops (every later record is written at once) and that is said once on stderr."""
     try:
         with _LOCK:
             while HOLD.records:
+                if more is not None:
+                    lg, record = HOLD.records.pop(0)
+                    lg.callHandlers(record)
+                    if not more():
+                        return
+                    continue
                 held, HOLD.records = HOLD.records, []
                 for lg, record in held:
                     lg.callHandlers(record)

@@ -23,27 +23,31 @@ def not_recorded(stage, e: Exception) -> None:
               file=sys.stderr)
 
 
-def settle() -> None:
-    """The activations' deferred fingerprints taken (labkit.spans.received.settle)."""
+def settle(more=None) -> None:
+    """The activations' deferred fingerprints taken (labkit.spans.received.settle; `more`: as in `idle`)."""
     try:
-        received.settle()
+        received.settle(more)
     except Exception as e:  # noqa: BLE001  (never break the user's step over the check's record)
         received.PENDING.clear()
         not_recorded(None, e)
 
 
-def idle(rec=None) -> None:
+def idle(rec=None, works=None) -> None:
     """Where the rank would idle (a wait that blocks), or at the step's end: torch's held records written, the
     activations' deferred fingerprints taken (labkit.spans.held, labkit.spans.received) and, with `rec`, the
-    step's finished spans written out, the last step's still due first (`Recorder.write_due`, `Recorder.ahead`)."""
+    step's finished spans written out, the last step's still due first (`Recorder.write_due`, `Recorder.ahead`).
+    With the wait's `works`, a piece at a time (a record, a fingerprint, a step's lines), and no more once they
+    complete: the rank idles for its peer, and goes on the moment the peer's transfer is in; what is left waits
+    for the next wait that blocks, the step's end or the watcher."""
+    more = None if works is None else (lambda: blocks(works))
     if held.HOLD.records:
-        held.release()
-    if received.PENDING:
-        settle()
+        held.release(more)
+    if received.PENDING and (more is None or more()):
+        settle(more)
     if rec is not None:
-        if rec.due is not None:  # the last step's lines (recorded while recording was on)
+        if rec.due is not None and (more is None or more()):  # the last step's lines (recorded while on)
             rec.write_due()
-        if rec.enabled:
+        if rec.enabled and (more is None or more()):
             rec.ahead()
 
 

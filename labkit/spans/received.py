@@ -78,17 +78,19 @@ def _later(v, record: dict, key: str, slot):
     return fingerprint(v)
 
 
-def settle() -> None:
+def settle(more=None) -> None:
     """Every deferred fingerprint taken now (the spans recorder calls it where the rank would wait for a peer,
-    and at a step's end; reading a record calls it first)."""
-    due = PENDING[:]
-    PENDING.clear()
-    for record, key, slot, t in due:
+    and at a step's end; reading a record calls it first); with `more`, one at a time while `more()` says to go
+    on (labkit.spans.later.idle), the oldest first."""
+    while PENDING:
+        record, key, slot, t = PENDING.pop(0)
         fp = fingerprint(t)
         if slot is None:
             record[key] = fp
         else:
             record[key][slot] = fp
+        if more is not None and not more():
+            return
 
 
 def on_host(fp):

@@ -331,7 +331,7 @@ def _wait_wrapper(inner):
         t_in = _clock()
         rec = RECORDER
         if works and _due(rec) and _blocks(works):
-            _idle(rec)  # the rank is about to idle: the kit's deferred work done first
+            _idle(rec, works)  # the rank is about to idle: the kit's deferred work, until the works complete
         if rec is None or not rec.enabled:
             return inner(works, *args, **kwargs)
         if not works:
