@@ -527,11 +527,15 @@ def test_a_start_that_times_out_says_where_each_rank_that_never_joined_was(tmp_p
     me, frozen, done = psutil.Process(), [], threading.Event()
     before = {p.pid for p in me.children(recursive=True)}  # another pool's (a fixture's) left alone
 
+    def is_rank(p) -> bool:  # a rank: a fork of the agent that has sent its stderr to its own log (a fork of the
+        # agent's that is about to exec a helper, e.g. torch's import running ldconfig, has not)
+        return any(re.search(r"/attempt_0/\d+/stderr\.log$", f.path) for f in p.open_files())
+
     def freeze_the_first_rank():  # a worker: a child of the torchrun agent, itself a child of this process
         while not done.is_set() and not frozen:
             for agent in (a for a in me.children() if a.pid not in before):
                 try:
-                    for worker in (w for w in agent.children() if w.cmdline() == agent.cmdline()):  # a fork
+                    for worker in (w for w in agent.children() if w.cmdline() == agent.cmdline() and is_rank(w)):
                         worker.send_signal(signal.SIGSTOP)
                         frozen.extend([agent.pid, worker.pid])
                         return
