@@ -537,7 +537,7 @@ def test_a_start_that_times_out_says_where_each_rank_that_never_joined_was(tmp_p
                 try:
                     for worker in (w for w in agent.children() if w.cmdline() == agent.cmdline() and is_rank(w)):
                         worker.send_signal(signal.SIGSTOP)
-                        frozen.extend([agent.pid, worker.pid])
+                        frozen.append(worker.pid)
                         return
                 except psutil.Error:
                     pass

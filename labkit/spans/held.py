@@ -96,15 +96,15 @@ def release(more=None) -> None:
     try:
         with _LOCK:
             while HOLD.records:
-                if more is not None:
+                if more is None:
+                    held, HOLD.records = HOLD.records, []
+                    for lg, record in held:
+                        lg.callHandlers(record)
+                else:
                     lg, record = HOLD.records.pop(0)
                     lg.callHandlers(record)
                     if not more():
                         return
-                    continue
-                held, HOLD.records = HOLD.records, []
-                for lg, record in held:
-                    lg.callHandlers(record)
     except Exception as e:  # noqa: BLE001  (never break the user's step over the kit's logs)
         HOLD.on, HOLD.records = False, []
         _BROKEN.append(str(e))

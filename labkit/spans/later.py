@@ -40,14 +40,18 @@ def idle(rec=None, works=None) -> None:
     complete: the rank idles for its peer, and goes on the moment the peer's transfer is in; what is left waits
     for the next wait that blocks, the step's end or the watcher."""
     more = None if works is None else (lambda: blocks(works))
+
+    def go() -> bool:
+        return more is None or more()
+
     if held.HOLD.records:
         held.release(more)
-    if received.PENDING and (more is None or more()):
+    if received.PENDING and go():
         settle(more)
     if rec is not None:
-        if rec.due is not None and (more is None or more()):  # the last step's lines (recorded while on)
+        if rec.due is not None and go():  # the last step's lines (recorded while recording was on)
             rec.write_due()
-        if rec.enabled and (more is None or more()):
+        if rec.enabled and go():
             rec.ahead()
 
 
