@@ -70,7 +70,7 @@ class _Held(logging.Filter):
             HOLD.records.append((self.logger, record))
             n = len(HOLD.records)
         if n == 1:
-            watch()
+            nudge()  # the watcher, waiting with nothing due, looks again every LATE / 4 s from now
         if n >= CAP:
             release()
         return False
@@ -121,8 +121,10 @@ def overdue(now: float | None = None) -> bool:
     return bool(records) and (now if now is not None else time.time()) - records[0][1].created >= LATE
 
 
-TICKS: list = []  # what the watcher also calls, with whether it was woken (labkit.spans.record: a step's lines)
-_WAKE = [threading.Event()]  # set: the watcher runs its TICKS now (`wake`)
+TICKS: list = []  # what the watcher also calls, with whether it was woken (labkit.spans.record: a step's lines);
+# each returns whether it still has something due (then the watcher looks again LATE / 4 s later)
+_WAKE = [threading.Event()]  # set: the watcher looks now (`wake`, and the first record held)
+_WOKEN = [False]  # ... and runs its TICKS at once (`wake`)
 
 
 def watch() -> None:
@@ -135,13 +137,22 @@ def wake() -> None:
     """The watcher woken (started where it does not run): `SOON` s later its `TICKS` are called with `True` (a
     step's span lines are ready, labkit.spans.record: written from the watcher while the rank goes on, unless
     the rank wrote them first where it idled, at a blocking wait, with no other thread wanting the GIL)."""
+    _WOKEN[0] = True
+    nudge()
+
+
+def nudge() -> None:
+    """The watcher (started where it does not run) looks now, and every LATE / 4 s while anything is held or due:
+    a first record held, a step's lines left due (whatever else wakes it)."""
     watch()
     _WAKE[0].set()
 
 
 def _watch() -> None:
-    """This process's watcher: every LATE / 4 s, and when woken (`wake`), the held records written if the
-    oldest is overdue, and `TICKS` called with whether it was woken."""
+    """This process's watcher: when woken (`wake`, or a first record held) and then every LATE / 4 s while
+    anything is held or due, the held records written if the oldest is overdue, and `TICKS` called with whether
+    it was woken. With nothing held or due it waits without a timeout, never running: a stack dump of all
+    threads (faulthandler, from the rank's main thread: labkit.launching.stop) walks no frame that moves."""
     _WATCHER[0] = os.getpid()
 
     def loop() -> None:
@@ -149,17 +160,20 @@ def _watch() -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP})
         except (AttributeError, OSError, ValueError):  # pragma: no cover (not on Linux)
             pass
+        due = True
         while True:
             event = _WAKE[0]
-            woke = event.wait(LATE / 4)
+            event.wait(LATE / 4 if due else None)
             event.clear()
+            woke, _WOKEN[0] = _WOKEN[0], False
             if woke:
                 time.sleep(SOON)
             if overdue():
                 release()
+            due = bool(HOLD.records)
             for tick in TICKS:
                 try:
-                    tick(woke)
+                    due = bool(tick(woke)) or due
                 except Exception:  # noqa: BLE001  (the watcher never dies over one of them)
                     pass
 
@@ -175,6 +189,7 @@ def _after_fork() -> None:
     global _LOCK
     _LOCK = threading.RLock()
     _WAKE[0] = threading.Event()
+    _WOKEN[0] = False
     HOLD.records = []
 
 

@@ -318,12 +318,13 @@ def _post_wrapper(inner):
     return _as(inner, wrapper)
 
 
-def _overdue(woke: bool = False) -> None:
+def _overdue(woke: bool = False) -> bool:
     """From the watcher thread: the last step's lines written when it was woken for them, or once `LATE` seconds
-    old (`Recorder.write_overdue`)."""
+    old (`Recorder.write_overdue`); whether any are still due."""
     rec = RECORDER
     if rec is not None:
         rec.write_overdue(at_once=woke)
+    return rec is not None and rec.due is not None
 
 
 def _wait_wrapper(inner):
@@ -388,7 +389,8 @@ def _step_wrapper(inner, grads: bool = True):
         # the step's lines written where the rank next idles: not between its last action and the next step
         rec.end_step((t_in, t_call, t_back), numbers, later=True)
         if rec.due is not None:
-            held.wake()  # ... by the watcher thread, SOON after, unless the rank idles first
+            held.nudge()  # ... by the watcher thread: once LATE s old in any case
+            held.wake()  # ... SOON after, unless the rank idles first
         return out
 
     return _as(inner, wrapper)
