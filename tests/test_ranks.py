@@ -10,12 +10,14 @@ import _thread
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -26,6 +28,7 @@ import pytest
 
 import labkit
 from labkit.ranks import RanksError, channel
+from labkit.ranks.failure import hung_in_init
 
 BUILD = """
 import torch.nn as nn
@@ -435,8 +438,11 @@ if sys.argv[2] == "hang":
 def test_an_exiting_or_killed_kernel_leaves_no_rank(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent(KERNEL))
+    # The kernels' socket folders in a temp dir of their own: a pool another test starts meanwhile sweeps /tmp's.
+    base = tempfile.mkdtemp(prefix="lk-", dir="/tmp")
+    env = {**os.environ, "TMPDIR": base}
     procs = {how: subprocess.Popen([sys.executable, str(script), str(tmp_path / how), how], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
              for how in ("exit", "hang")}
     said = {how: json.loads(p.stdout.readline() or "[]") for how, p in procs.items()}
     assert all(len(v) == 4 for v in said.values()), procs["hang"].stderr.read()[-2000:] if not said["hang"] else said
@@ -450,7 +456,9 @@ def test_an_exiting_or_killed_kernel_leaves_no_rank(tmp_path):
     assert not _gone(pids["hang"], 10.0), "the ranks must exit when the kernel dies"
     print(f"killed kernel: every rank gone {time.monotonic() - t:.2f} s after SIGKILL")
     assert not os.path.exists(said["exit"][0]), "close() removes the socket's folder"
-    assert os.path.exists(said["hang"][0]) and said["hang"][0] in channel.sweep_stale()  # the next pool's sweep
+    assert os.path.dirname(said["hang"][0]) == base, said
+    assert os.path.exists(said["hang"][0]) and said["hang"][0] in channel.sweep_stale(base)  # the next pool's sweep
+    shutil.rmtree(base, ignore_errors=True)  # what else the kernels and their ranks put in their temp dir
 
 
 def test_torch_log_handlers_that_follow_sys_stderr_are_pinned_to_the_real_stderr(monkeypatch):
@@ -519,28 +527,41 @@ def test_a_pipelining_record_is_formatted_once_for_the_rank_stderr_and_the_cell_
     assert len(calls) == 3  # the two handlers of one format: once; the other format; the plain Formatter
 
 
+def _is_rank(p) -> bool:
+    """A rank: a fork of a torchrun agent (its cmdline) that has sent its stderr to its own log (a fork of the
+    agent's that is about to exec a helper, e.g. torch's import running ldconfig, has not)."""
+    return any(re.search(r"/attempt_0/\d+/stderr\.log$", f.path) for f in p.open_files())
+
+
+def _new_ranks(me, before: set) -> dict:
+    """{agent pid: its ranks} of the pools this test started (another pool's, a fixture's, left alone)."""
+    found = {}
+    for agent in (a for a in me.children() if a.pid not in before):
+        try:
+            found[agent.pid] = [w for w in agent.children() if w.cmdline() == agent.cmdline() and _is_rank(w)]
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.mark.launches
 def test_a_start_that_times_out_says_where_each_rank_that_never_joined_was(tmp_path):
     """A rank frozen (SIGSTOP) as soon as torchrun forks it: no rank can join (the other waits for it in the
     process group's rendezvous), the start times out, and the error shows each rank's stack from its
-    faulthandler dump, taken as the job is ended; nothing is left running."""
+    faulthandler dump, taken as the job is ended; nothing is left running. A rank frozen before it reached
+    init_process_group: no second launch (that is for a hang inside it, the test below); one that the watcher froze
+    late, inside it: one more launch, frozen the same way, and the error says both hung."""
     me, frozen, done = psutil.Process(), [], threading.Event()
-    before = {p.pid for p in me.children(recursive=True)}  # another pool's (a fixture's) left alone
+    before = {p.pid for p in me.children(recursive=True)}
 
-    def is_rank(p) -> bool:  # a rank: a fork of the agent that has sent its stderr to its own log (a fork of the
-        # agent's that is about to exec a helper, e.g. torch's import running ldconfig, has not)
-        return any(re.search(r"/attempt_0/\d+/stderr\.log$", f.path) for f in p.open_files())
-
-    def freeze_the_first_rank():  # a worker: a child of the torchrun agent, itself a child of this process
-        while not done.is_set() and not frozen:
-            for agent in (a for a in me.children() if a.pid not in before):
-                try:
-                    for worker in (w for w in agent.children() if w.cmdline() == agent.cmdline() and is_rank(w)):
-                        worker.send_signal(signal.SIGSTOP)
-                        frozen.append(worker.pid)
-                        return
-                except psutil.Error:
-                    pass
+    def freeze_the_first_rank():  # of each launch (torchrun agent)
+        agents = set()
+        while not done.is_set():
+            for agent, ranks in _new_ranks(me, before).items():
+                if ranks and agent not in agents:
+                    ranks[0].send_signal(signal.SIGSTOP)
+                    agents.add(agent)
+                    frozen.append(ranks[0].pid)
             time.sleep(0.002)
 
     watcher = threading.Thread(target=freeze_the_first_rank, daemon=True)
@@ -551,9 +572,86 @@ def test_a_start_that_times_out_says_where_each_rank_that_never_joined_was(tmp_p
     finally:
         done.set()
     text = str(err.value)
-    assert frozen, "no worker was seen to freeze"
+    kept = list(tmp_path.rglob("start-*-hung.txt"))
+    if kept:  # the watcher was late: the first launch's rank froze inside init_process_group, so one more launch
+        assert len(frozen) == 2 and "The launch before it hung too" in text, (frozen, text)
+        assert hung_in_init(kept[0].read_text().split("Where the ranks that never joined were:")[1], 2)
+    else:  # frozen before init_process_group: one launch, the error at once
+        assert len(frozen) == 1 and "hung too" not in text, (frozen, text)
     assert "only 0 of 2 ranks joined within 20 s" in text, text
     where = text.split("Where the ranks that never joined were:")[1]
     assert "rank 0:" in where and "rank 1:" in where, text
     assert "Current thread" in where and 'File "' in where, text  # faulthandler's dump, frames and all
     assert not [p for p in me.children(recursive=True) if p.pid not in before], "the agent and every rank ended"
+
+
+@pytest.mark.launches
+def test_a_start_hung_inside_init_process_group_is_told_and_launched_once_more(tmp_path, capfd):
+    """The hang CI saw twice (every rank alive inside init_process_group, in gloo's set-up of the process group,
+    none joined in 120 s), made here by freezing the first launch's torchrun agent once it has forked both ranks:
+    the store it hosts answers nobody, so each rank waits inside init_process_group. The pool says so, keeps
+    where each rank was, launches again (the frozen agent and its ranks ended) and works."""
+    me, frozen, done = psutil.Process(), [], threading.Event()
+    before = {p.pid for p in me.children(recursive=True)}
+
+    def hang_the_first_launch():
+        while not done.is_set() and not frozen:
+            for agent in (a for a in me.children() if a.pid not in before):
+                try:
+                    if len([w for w in agent.children() if w.cmdline() == agent.cmdline() and _is_rank(w)]) == 2:
+                        agent.send_signal(signal.SIGSTOP)
+                        frozen.append(agent)
+                        break
+                except psutil.Error:
+                    pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=hang_the_first_launch, daemon=True)
+    watcher.start()
+    try:
+        with labkit.Ranks(nproc=2, device="cpu", runs_root=tmp_path, start_timeout=20, live="print") as pool:
+            assert pool.exec("dist.get_world_size() + rank") == {0: 2, 1: 3}
+            assert pool.status()["restarts"] == 0
+            kept = list(pool.run_dir.glob("start-*-hung.txt"))
+    finally:
+        done.set()
+    assert len(frozen) == 1 and not frozen[0].is_running(), f"the first launch's agent frozen, then ended: {frozen}"
+    err = capfd.readouterr().err
+    assert "were still setting up their process group after 20 s" in err and "launching them once more" in err, err
+    assert len(kept) == 1 and kept[0].name == "start-0-hung.txt", kept
+    text = kept[0].read_text()
+    assert "only 0 of 2 ranks joined within 20 s" in text, text
+    assert " in init_process_group" in text.split("Where the ranks that never joined were:")[1], text
+    assert not [p for p in me.children(recursive=True) if p.pid not in before], "the agent and every rank ended"
+
+
+_CI_DUMP = """Fatal Python error: Aborted
+
+Thread 0x00007fe3f37fe6c0 (most recent call first):
+  File "/check/work/main/labkit/ranks/channel.py", line 65 in _recv_exact
+  File "/check/work/main/labkit/ranks/rank.py", line 158 in _reader
+
+Current thread 0x00007fe47ee94b80 (most recent call first):
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 757 in _create_gloo_process_group
+  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 2721 in init_process_group
+  File "/check/work/main/labkit/worker/distributed.py", line 94 in init_distributed
+
+Extension modules: numpy (total: 1)
+"""
+
+
+def test_a_start_is_launched_again_only_when_every_rank_that_never_joined_was_inside_init_process_group():
+    """`hung_in_init` reads `Job.unjoined_stacks` (the CI hang's own frames): every unjoined rank inside
+    init_process_group, yes; a rank elsewhere (frozen in an import, never started), or no stacks at all, no."""
+    from labkit.launching.diagnose import current_thread, other_threads
+
+    stuck = current_thread(_CI_DUMP).strip()
+    assert other_threads(_CI_DUMP) == ['thread 0x00007fe3f37fe6c0: File "/check/work/main/labkit/ranks/channel.py", '
+                                       'line 65 in _recv_exact']
+    elsewhere = 'Current thread 0x1 (most recent call first):\n  File "<frozen runpy>", line 226 in run_module'
+    assert hung_in_init(f"rank 0:\n{stuck}\nrank 1:\n{stuck}", 2)
+    assert hung_in_init(f"rank 1:\n{stuck}", 2)  # rank 0 joined: the other is still inside it
+    assert not hung_in_init(f"rank 0:\n{elsewhere}\nrank 1:\n{stuck}", 2)
+    assert not hung_in_init(f"rank 0: not started (torchrun's agent had not started it: see launcher.log)\n"
+                            f"rank 1:\n{stuck}", 2)
+    assert not hung_in_init("", 2) and not hung_in_init("(every rank joined)", 2)

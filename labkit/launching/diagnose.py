@@ -51,6 +51,16 @@ def traceback_frames(text: str) -> tuple[list[tuple[str, int, str]], str]:
     return frames[::-1], error
 
 
+def other_threads(dump: str) -> list[str]:
+    """Each thread of a faulthandler dump but the interrupted one, as its innermost frame ("thread 0x...:
+    File ... in ..."): what else ran in a rank that is stuck (a reader, a watcher, torch's own)."""
+    out = []
+    for m in re.finditer(r"^Thread (0x[0-9a-f]+) \(most recent call first\):\n((?:[ \t]+\S.*(?:\n|$))*)", dump, re.M):
+        frames = m.group(2).strip().splitlines()
+        out.append(f"thread {m.group(1)}: {frames[0].strip() if frames else '(no Python frame)'}")
+    return out
+
+
 def current_thread(dump: str) -> str:
     """The part of a faulthandler dump about the thread that was interrupted (the main thread of a
     rank stuck in a collective), without the other threads printed after it."""

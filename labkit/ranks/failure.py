@@ -6,6 +6,7 @@ the action, the microbatch, the peer; the cause; `labkit.timeline.stuck`). Used 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 _KIT = str(Path(__file__).resolve().parent.parent)  # labkit/: the rank runner's and the kit's own frames
@@ -30,6 +31,29 @@ class RanksError(RuntimeError):
 
 def _indent(text: str, pad: str = "    ") -> str:
     return "\n".join(pad + l for l in text.rstrip().splitlines())
+
+
+def failed_start(job, reason: str, nproc: int, start_timeout: float) -> tuple[str, bool]:
+    """A pool start that failed (`job`, a `labkit.ranks.job.Job`), ended: (what it says: why, the command, the run
+    directory, launcher.log's and rank 0's last lines and, for a start that timed out, where each rank that never
+    joined was; whether every rank was alive inside torch's `init_process_group`, `hung_in_init`)."""
+    tail = job.tail(0) if job.rank_log(0) else "(rank 0 wrote no log)"
+    launcher = job.launcher_tail()  # before stopping: then it only shows torchrun being ended
+    late = job.proc.poll() is None  # timed out: where each rank that never joined was, from its stacks
+    job.stop(dump_stacks=late)
+    where = job.unjoined_stacks() if late else ""
+    shown = f"Where the ranks that never joined were:\n{_indent(where)}\n" if where else ""
+    return (f"The pool's {nproc} ranks did not start: {reason}\nCommand: {' '.join(job.command)}\n"
+            f"Run directory: {job.run_dir}\nLast lines of launcher.log:\n{_indent(launcher)}\n"
+            f"Last lines of rank 0's log:\n{_indent(tail)}\n{shown}Check `labkit doctor`; on a slow machine pass "
+            f"start_timeout= (now {start_timeout:g} s)."), hung_in_init(where, nproc)
+
+
+def hung_in_init(where: str, nproc: int) -> bool:
+    """A start that timed out with every rank that never joined alive inside torch's `init_process_group` (`where`:
+    `Job.unjoined_stacks`): the process group's set-up never finished, which a fresh launch gets past."""
+    blocks = re.split(r"^rank \d+:", where, flags=re.M)[1:]
+    return 0 < len(blocks) <= nproc and all(" in init_process_group" in b for b in blocks)
 
 
 def _in_distributed(stack: str | None) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..launching.clean import kill_all
 from ..launching.command import command_text, job_env, torchrun_command
 from ..launching.warm import warm_command
-from ..launching.diagnose import _root_cause_from_launcher, current_thread, launcher_text
+from ..launching.diagnose import _root_cause_from_launcher, current_thread, launcher_text, other_threads
 from ..launching.stop import descendants, die_with_parent, stop_job
 from . import channel
 
@@ -211,7 +211,8 @@ class Job:
 
     def unjoined_stacks(self, n: int = TAIL_LINES) -> str:
         """Where each rank that never joined was when the job was ended with its stacks dumped (`stop(dump_stacks=
-        True)`): the interrupted thread of its faulthandler dump (innermost frame first), else the tail of its log."""
+        True)`): the interrupted thread of its faulthandler dump (innermost frame first) and the innermost frame of
+        each of its other threads, else the tail of its log."""
         out = []
         for r in (r for r in range(self.nproc) if r not in self.hello):
             p = self.rank_log(r)
@@ -221,7 +222,8 @@ class Job:
             text = p.read_text(errors="replace")
             i = text.rfind("Fatal Python error")
             where = current_thread(text[i:]) if i >= 0 else self.tail(r, n)
-            out.append(f"rank {r}:\n" + "\n".join(where.strip().splitlines()[:n] or ["(no log)"]))
+            others = other_threads(text[i:]) if i >= 0 else []
+            out.append(f"rank {r}:\n" + "\n".join((where.strip().splitlines()[:n] or ["(no log)"]) + others))
         return "\n".join(out) or "(every rank joined)"
 
     # ---- ending

@@ -36,7 +36,7 @@ from ..launching.command import preflight_device
 from ..launching.rundir import new_run_dir
 from . import channel
 from .cell import Cell
-from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint, pipeline_terms
+from .failure import RanksError, _in_distributed, _indent, _names, _pipeline_hint, failed_start, pipeline_terms
 from .job import Job, StartError
 from .output import LIVE_MODES, CellOutput
 from .readings import CellReadings
@@ -71,6 +71,7 @@ class Ranks(CellReadings):
     live: "auto" (a Jupyter kernel shows live lines, then the output grouped by rank), "print", "notebook", or
     "none" or None (shown nowhere: a script's or a bench's pool; each cell's output is still in the rank logs).
     runs_root / out: where the pool's run directory goes (as for `labkit.launching.launch`).
+    start_timeout: seconds for every rank to join (a start hung inside init_process_group: told, launched once more).
     """
 
     def __init__(self, nproc: int = 2, device: str = "auto", *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -92,7 +93,7 @@ class Ranks(CellReadings):
         (self.run_dir / "config.json").write_text(json.dumps({"pool": "labkit.Ranks", "nproc": nproc, "device": device,
                                                               "timeout": timeout}, indent=2))
         self.closed = True
-        self.restarts = -1
+        self.restarts = self.launches = -1  # the pool's restarts; torchrun launches (a start hung once: two)
         self.cells_run = 0
         self.last_cell: int | None = None
         self._job: Job | None = None
@@ -111,23 +112,27 @@ class Ranks(CellReadings):
             if ended:
                 print(f"[labkit] before starting the pool: {describe(ended)}", file=sys.stderr, flush=True)
         self.restarts += 1
-        job = Job(self.run_dir, self.nproc, self.device, self.pg_timeout, self.restarts)
-        try:
-            job.start(self.start_timeout)
-        except StartError as e:
-            tail = job.tail(0) if job.rank_log(0) else "(rank 0 wrote no log)"
-            launcher = job.launcher_tail()  # before stopping: then it only shows torchrun being ended
-            late = job.proc.poll() is None  # timed out: where each rank that never joined was, from its stacks
-            job.stop(dump_stacks=late)
-            where = f"Where the ranks that never joined were:\n{_indent(job.unjoined_stacks())}\n" if late else ""
-            raise RanksError(
-                f"The pool's {self.nproc} ranks did not start: {e}\nCommand: {' '.join(job.command)}\n"
-                f"Run directory: {self.run_dir}\nLast lines of launcher.log:\n{_indent(launcher)}\n"
-                f"Last lines of rank 0's log:\n{_indent(tail)}\n{where}Check `labkit doctor`; on a slow machine pass "
-                f"start_timeout= (now {self.start_timeout:g} s).") from None
-        except BaseException:
-            job.stop()
-            raise
+        for attempt in (1, 2):
+            self.launches += 1
+            job = Job(self.run_dir, self.nproc, self.device, self.pg_timeout, self.launches)
+            try:
+                job.start(self.start_timeout)
+                break
+            except StartError as e:
+                text, hung = failed_start(job, str(e), self.nproc, self.start_timeout)
+                if attempt == 2 or not hung:
+                    first = f"\nThe launch before it hung too: {self.run_dir}/start-{self.launches - 1}-hung.txt"
+                    raise RanksError(text + (first if attempt == 2 else "")) from None
+                # A rare hang inside torch's process-group set-up (seen in CI under heavy load, every rank alive
+                # in gloo's connect): told, kept in the run directory, and the pool is launched once more.
+                (self.run_dir / f"start-{self.launches}-hung.txt").write_text(text + "\n")
+                print(f"[labkit] the pool's {self.nproc} ranks were still setting up their process group after "
+                      f"{self.start_timeout:g} s (every rank inside init_process_group; where each was: "
+                      f"{self.run_dir}/start-{self.launches}-hung.txt): launching them once more.",
+                      file=sys.stderr, flush=True)
+            except BaseException:
+                job.stop()
+                raise
         self._job, self.closed = job, False
         _POOLS.pop(self, None)
         _POOLS[self] = None  # last in the order: the current pool
