@@ -121,15 +121,15 @@ class Ranks(CellReadings):
             except StartError as e:
                 text, hung = failed_start(job, str(e), self.nproc, self.start_timeout)
                 if attempt == 2 or not hung:
-                    first = f"\nThe launch before it hung too: {self.run_dir}/start-{self.launches - 1}-hung.txt"
-                    raise RanksError(text + (first if attempt == 2 else "")) from None
+                    first = f"\nThe launch before it hung too: {kept}" if attempt == 2 else ""
+                    raise RanksError(text + first) from None
                 # A rare hang inside torch's process-group set-up (seen in CI under heavy load, every rank alive
                 # in gloo's connect): told, kept in the run directory, and the pool is launched once more.
-                (self.run_dir / f"start-{self.launches}-hung.txt").write_text(text + "\n")
+                kept = self.run_dir / f"start-{self.launches}-hung.txt"
+                kept.write_text(text + "\n")
                 print(f"[labkit] the pool's {self.nproc} ranks were still setting up their process group after "
-                      f"{self.start_timeout:g} s (every rank inside init_process_group; where each was: "
-                      f"{self.run_dir}/start-{self.launches}-hung.txt): launching them once more.",
-                      file=sys.stderr, flush=True)
+                      f"{self.start_timeout:g} s (every rank inside init_process_group; where each was: {kept}): "
+                      "launching them once more.", file=sys.stderr, flush=True)
             except BaseException:
                 job.stop()
                 raise
